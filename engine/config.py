@@ -1,0 +1,61 @@
+"""The engine's settings: one frozen, self-validating dataclass; nothing here does I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; `option` names it as the CLI spells it."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, the faster measured choice on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto | torch | triton
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError("--dtype", f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError("--block-size", f"block size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError("--attention-backend", f"attention backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError("--kv-cache-dtype", f"kv cache dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError("--device", f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for option, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+            if value < 1:
+                raise ConfigError(option, f"{option} must be at least 1, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("--max-model-len", f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError("--num-kv-blocks", f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ConfigError("--kv-cache-memory", f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in requests and see in responses."""
+        return self.served_model_name or self.model

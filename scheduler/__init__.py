@@ -1,0 +1,1 @@
+"""kvserve.scheduler"""
