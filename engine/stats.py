@@ -1,0 +1,56 @@
+"""Plain records the engine emits for metrics and logs, and the listener protocol that takes them.
+
+The engine calls listeners from its own thread after each step; a listener must be quick and must
+not raise (the metrics exporter and the periodic log line are the two in-tree listeners).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step."""
+
+    timestamp: float  # time.monotonic() at the end of the step
+    duration_s: float  # schedule + model + update
+    num_scheduled_tokens: int
+    num_prompt_tokens: int  # prompt tokens computed this step (prefill chunks)
+    num_generation_tokens: int  # tokens sampled this step
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # requests preempted in this step
+    kv_blocks_total: int
+    kv_blocks_used: int  # referenced by at least one request
+    kv_blocks_cached: int  # free, but holding a reusable prefix-cache entry
+    kv_blocks_free: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int  # of those, tokens found
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """One finished completion (each of n > 1 completions counts as one)."""
+
+    finish_reason: str  # stop | length | abort
+    arrival_time: float
+    first_scheduled_time: float | None  # None when aborted before it ran
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generation_tokens: int
+    inter_token_latencies: tuple[float, ...]  # gaps between consecutive generated tokens
+
+
+class StatsListener(Protocol):
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_request_finished(self, stats: FinishedRequestStats) -> None: ...
