@@ -1,0 +1,211 @@
+"""AsyncEngine: the LLMEngine step loop on its own thread, beside an asyncio event loop.
+
+    event loop (server)                      engine thread
+    ───────────────────                      ─────────────
+    generate(): tokenize, validate ──cmd──►  add_request
+                 await queue.get() ◄─out───  step() ... step()
+    client gone: abort ─────────────cmd──►  abort_request (before the next step)
+
+The event loop never waits on a model step: commands go through a thread-safe queue and outputs
+come back with call_soon_threadsafe. If a step raises, the engine is marked dead and every
+in-flight request gets EngineDeadError instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.stats import StatsListener
+from kvserve.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; requests cannot be served until the server restarts."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, stats_listeners: Sequence[StatsListener] = ()) -> "AsyncEngine":
+        return cls(LLMEngine.from_config(config, stats_listeners))
+
+    # ------------------------------------------------------------------ facts for the server
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.model_runner.kv_spec.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.model_runner.kv_spec.num_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.engine.model_runner.kv_spec.bytes(self.engine.model_config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.model_runner.model_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.model_runner.device
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.dead_error}") from self.dead_error
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.validate_prompt(token_ids, sampling_params)
+
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"Request id {request_id!r} is already in use.")
+            self._streams[request_id] = stream
+        if self.dead_error is not None:  # died while we registered: _fail_all may have missed us
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise EngineDeadError(f"the engine has failed: {self.dead_error}") from self.dead_error
+        arrival = time.monotonic()
+        self._submit(lambda: self._add(request_id, text, token_ids, sampling_params, priority, arrival, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _add(self, request_id, text, token_ids, params, priority, arrival, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(request_id, text if text is not None else token_ids, params,
+                                    arrival_time=arrival, priority=priority, prompt_token_ids=token_ids)
+        except ValueError as error:  # validated already; a race (duplicate id) lands here
+            stream.put(error)
+
+    def _abort(self, request_id: str) -> None:
+        for output in self.engine.abort_request(request_id):
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put(output)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self.engine.has_unfinished_requests() and self._commands.empty():
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                self._wakeup.clear()
+                while not self._commands.empty():
+                    self._commands.get()()
+                for output in self.engine.step():
+                    self._deliver(output)
+        except BaseException as error:  # noqa: BLE001 - any failure must reach the waiting clients
+            logger.exception("engine loop failed; marking the engine dead")
+            self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead_error = error
+        dead = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
+        dead.__cause__ = error
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(dead)

@@ -1,0 +1,106 @@
+"""Builds an engine's parts from an EngineConfig: model, tokenizer, KV cache, scheduler, runner.
+
+This is where the I/O happens (reading weights, sizing memory), so that the config stays plain
+data and LLMEngine's constructor stays a constructor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.config import ConfigError, EngineConfig
+from kvserve.engine.device import resolve_device, resolve_dtype
+from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.model_loader import load_model
+from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.model_source import ModelSource, resolve_model
+from kvserve.engine.tokenizer import Tokenizer
+from kvserve.kernels import select_attention_backend
+from kvserve.paging import KVCacheManager
+from kvserve.paging.kv_sizing import check_max_model_len_fits
+from kvserve.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+# Without --num-kv-blocks or --kv-cache-memory: on CPU, a quarter of the memory available after
+# loading the weights, at most 4 GiB (as vLLM's CPU backend defaults to); on CUDA, 90% of what
+# is free after the weights.
+CPU_KV_CACHE_MAX_BYTES = 4 << 30
+CPU_KV_CACHE_FRACTION = 0.25
+CUDA_KV_CACHE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    model_runner: ModelRunner
+    max_model_len: int
+    source: ModelSource
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, device)
+    source = resolve_model(config.model)
+    model_config, model = load_model(source, dtype, device)
+    tokenizer = Tokenizer.from_gguf(source.path) if source.format == "gguf" else Tokenizer.from_hf_dir(source.path)
+
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(
+            "--max-model-len",
+            f"--max-model-len {max_model_len} exceeds the model's context length "
+            f"{model_config.max_position_embeddings}",
+        )
+    kv_dtype = dtype
+    dtype_bytes = torch.empty((), dtype=kv_dtype).element_size()
+    block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.block_size
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        budget = config.kv_cache_memory or default_kv_cache_bytes(device)
+        num_blocks = budget // block_bytes
+    check_max_model_len_fits(num_blocks, config.block_size, max_model_len)
+
+    attention = select_attention_backend(config.attention_backend, device)
+    kv_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size, dtype=kv_dtype)
+    runner = ModelRunner(model, model_config, kv_spec, attention, device, tokenizer.eos_token_id)
+    kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        kv_manager,
+    )
+    logger.info(
+        "model %s (%s) on %s in %s; KV cache: %d blocks of %d tokens, %.2f GiB",
+        config.model, model_config.architecture, device, str(dtype).removeprefix("torch."),
+        num_blocks, config.block_size, num_blocks * block_bytes / 2**30,
+    )
+    return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len, source)
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_CACHE_FRACTION)
+    return int(min(CPU_KV_CACHE_MAX_BYTES, _available_memory_bytes() * CPU_KV_CACHE_FRACTION))
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,239 @@
+"""LLMEngine: the synchronous step loop.
+
+    scheduler_output = scheduler.schedule()
+    runner_output    = model_runner.execute(scheduler_output)
+    updates          = scheduler.update_from_output(scheduler_output, runner_output)
+
+plus what the user sees: detokenized, stop-string-checked RequestOutputs and stats records.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Sequence
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.output_tracker import OutputTracker, child_request_id
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.stats import StatsListener, StepStats
+from kvserve.engine.tokenizer import Tokenizer
+from kvserve.scheduler import Scheduler
+from kvserve.scheduler.output import SchedulerOutput
+from kvserve.scheduler.request import FinishReason, Request
+from kvserve.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus the tokens asked for) does not fit in max_model_len."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+        if max_tokens is None or num_prompt_tokens >= max_model_len:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens. Please shorten the prompt."
+            )
+        else:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                f"for the completion). Please reduce the prompt or max_tokens."
+            )
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        model_runner: ModelRunner,
+        max_model_len: int,
+        stats_listeners: Sequence[StatsListener] = (),
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.model_runner = model_runner
+        self.max_model_len = max_model_len
+        self.stats_listeners = list(stats_listeners)
+        self.tracker = OutputTracker(tokenizer)
+        self._seed_rng = random.Random(config.seed)
+        self._last_prefix_stats = (0, 0)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, stats_listeners: Sequence[StatsListener] = ()) -> "LLMEngine":
+        from kvserve.engine.engine_builder import build_engine_parts
+
+        parts = build_engine_parts(config)
+        return cls(config, parts.model_config, parts.tokenizer, parts.scheduler, parts.model_runner,
+                   parts.max_model_len, stats_listeners)
+
+    # ------------------------------------------------------------------ requests in
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("The prompt is empty: give at least one token.")
+        if num_prompt >= self.max_model_len or (
+            params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len
+        ):
+            raise PromptTooLongError(num_prompt, params.max_tokens, self.max_model_len)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} in the prompt is outside the vocabulary [0, {vocab}).")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        """`prompt` is text or token ids; a caller that already tokenized the text passes the ids
+        too, so the text is kept for the output without being encoded twice."""
+        if request_id in self.tracker.groups:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is not None:
+            token_ids = [int(t) for t in prompt_token_ids]
+        elif isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        self.validate_prompt(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        requests = [
+            Request(
+                request_id=child_request_id(request_id, index),
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                eos_token_id=self.tokenizer.eos_token_id,
+                arrival_time=arrival,
+                priority=priority,
+                parent_id=request_id,
+                index=index,
+                seed=self._seed_for(params, index),
+                max_model_len=self.max_model_len,
+            )
+            for index in range(params.n)
+        ]
+        self.tracker.add(request_id, text, requests)
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def _seed_for(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return self._seed_rng.getrandbits(63)
+        # Completion 0 uses the user's seed as given; siblings derive theirs from it.
+        return params.seed & _SEED_MASK if index == 0 else hash((params.seed, index)) & _SEED_MASK
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Aborts requests (unknown or finished ids are ignored) and returns their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        now = time.monotonic()
+        outputs = []
+        for request_id in ids:
+            group = self.tracker.groups.get(request_id)
+            if group is None:
+                continue
+            children = self.tracker.child_ids(request_id)
+            self.scheduler.finish_requests(children, FinishReason.ABORT)
+            for child in children:
+                self._emit_finished(self.tracker.on_finished(child, FinishReason.ABORT.value, None, now))
+            outputs.append(group.output())
+            self.tracker.pop_if_finished(group)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.tracker.groups)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        for scheduled in scheduler_output.scheduled:
+            self.tracker.mark_scheduled(scheduled.request_id, start)
+        runner_output = self.model_runner.execute(scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.monotonic()
+
+        touched = {}
+        for update in updates:
+            child_id = update.request.request_id
+            group = self.tracker.group_of(child_id)
+            touched[group.request_id] = group
+            stop_string = self.tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now)
+            request = update.request
+            if stop_string is not None and not update.finished:
+                self.scheduler.finish_requests([child_id], FinishReason.STOP, stop_string)
+            if stop_string is not None:
+                self._emit_finished(self.tracker.on_finished(child_id, FinishReason.STOP.value, stop_string, now))
+            elif update.finished:
+                reason = request.finish_reason.value if request.finish_reason else FinishReason.STOP.value
+                self._emit_finished(self.tracker.on_finished(child_id, reason, request.stop_reason, now))
+
+        outputs = [group.output() for group in touched.values()]
+        for group in touched.values():
+            self.tracker.pop_if_finished(group)
+        self._emit_step(scheduler_output, start, time.monotonic())
+        return outputs
+
+    # ------------------------------------------------------------------ stats out
+
+    def _emit_finished(self, stats) -> None:
+        for listener in self.stats_listeners:
+            listener.on_request_finished(stats)
+
+    def _emit_step(self, output: SchedulerOutput, start: float, end: float) -> None:
+        if not self.stats_listeners:
+            return
+        kv = self.scheduler.kv_cache_manager.stats()
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        last_queries, last_hits = self._last_prefix_stats
+        self._last_prefix_stats = (queries, hits)
+        prompt_tokens = sum(
+            max(0, min(r.seq_len, len(r.prompt_token_ids)) - r.num_computed_tokens) for r in output.scheduled
+        )
+        stats = StepStats(
+            timestamp=end,
+            duration_s=end - start,
+            num_scheduled_tokens=output.num_scheduled_tokens,
+            num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=sum(1 for r in output.scheduled if r.samples),
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preempted=len(output.preempted_request_ids),
+            kv_blocks_total=kv.blocks_total,
+            kv_blocks_used=kv.blocks_used,
+            kv_blocks_cached=kv.blocks_cached,
+            kv_blocks_free=kv.blocks_free,
+            prefix_cache_queries=queries - last_queries,
+            prefix_cache_hits=hits - last_hits,
+        )
+        for listener in self.stats_listeners:
+            listener.on_step(stats)

@@ -1,0 +1,155 @@
+"""Turns the scheduler's per-token updates into user-facing RequestOutputs.
+
+One user request with n completions becomes n scheduler Requests (ids "<id>#<index>"); this
+module groups them back, detokenizes each completion incrementally, finds stop strings, and
+records the timestamps metrics need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.stats import FinishedRequestStats
+from kvserve.engine.tokenizer import Tokenizer
+from kvserve.scheduler.output import TokenLogprobs
+from kvserve.scheduler.request import Request
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"
+
+
+@dataclass
+class CompletionState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        token_ids = list(self.request.output_token_ids)
+        cumulative = sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(
+            index=self.request.index,
+            text=self.text,
+            token_ids=token_ids,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=cumulative,
+        )
+
+    def finished_stats(self, now: float) -> FinishedRequestStats:
+        times = self.metrics.token_times
+        return FinishedRequestStats(
+            finish_reason=self.finish_reason or "abort",
+            arrival_time=self.metrics.arrival_time,
+            first_scheduled_time=self.metrics.first_scheduled_time,
+            first_token_time=self.metrics.first_token_time,
+            last_token_time=self.metrics.last_token_time,
+            finished_time=now,
+            num_prompt_tokens=self.request.num_prompt_tokens,
+            num_cached_tokens=max(self.request.num_cached_tokens, 0),
+            num_generation_tokens=self.request.num_output_tokens,
+            inter_token_latencies=tuple(b - a for a, b in zip(times, times[1:])),
+        )
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[CompletionState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        cached = max((c.request.num_cached_tokens for c in self.completions), default=0)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.output() for c in self.completions],
+            finished=self.finished,
+            num_cached_tokens=max(cached, 0),
+            metrics=self.completions[0].metrics,
+        )
+
+
+class OutputTracker:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+        self.completions: dict[str, tuple[RequestGroup, CompletionState]] = {}
+
+    def add(self, request_id: str, prompt: str | None, requests: list[Request]) -> None:
+        group = RequestGroup(request_id, prompt, requests[0].prompt_token_ids)
+        for request in requests:
+            params = request.sampling_params
+            state = CompletionState(
+                request=request,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                metrics=RequestMetrics(arrival_time=request.arrival_time),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            group.completions.append(state)
+            self.completions[request.request_id] = (group, state)
+        self.groups[request_id] = group
+
+    def child_ids(self, request_id: str) -> list[str]:
+        group = self.groups.get(request_id)
+        return [c.request.request_id for c in group.completions] if group else []
+
+    def mark_scheduled(self, child_id: str, now: float) -> None:
+        entry = self.completions.get(child_id)
+        if entry is not None and entry[1].metrics.first_scheduled_time is None:
+            entry[1].metrics.first_scheduled_time = now
+
+    def on_tokens(
+        self, child_id: str, token_ids: list[int], logprobs: list[TokenLogprobs | None], now: float
+    ) -> str | None:
+        """Records new tokens; returns the stop string if the text now contains one."""
+        group, state = self.completions[child_id]
+        metrics = state.metrics
+        if token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.token_times.extend([now] * len(token_ids))
+        if state.logprobs is not None:
+            state.logprobs.extend(lp for lp in logprobs if lp is not None)
+        update = state.detokenizer.append(token_ids)
+        state.text += update.new_text
+        return update.stop_string
+
+    def on_finished(self, child_id: str, reason: str, stop_reason: int | str | None, now: float) -> FinishedRequestStats:
+        group, state = self.completions[child_id]
+        if state.finish_reason is None:
+            state.text += state.detokenizer.flush()  # held-back text; empty after a stop string
+            state.finish_reason = reason
+            state.stop_reason = stop_reason
+            state.metrics.finished_time = now
+        return state.finished_stats(now)
+
+    def group_of(self, child_id: str) -> RequestGroup:
+        return self.completions[child_id][0]
+
+    def pop_if_finished(self, group: RequestGroup) -> None:
+        if group.finished:
+            self.groups.pop(group.request_id, None)
+            for c in group.completions:
+                self.completions.pop(c.request.request_id, None)
