@@ -1,14 +1,34 @@
-"""Paged attention in plain torch: the CPU path and the test oracle for the Triton kernels.
+"""Paged attention in plain torch: the CPU serving path and the oracle for the Triton kernels.
 
 Cache layout (shared by every implementation):
     key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 A token at position p of a request lives in physical block block_table[p // block_size], row
-p % block_size. Its "slot" is block_id * block_size + p % block_size.
+p % block_size; its "slot" is block_id * block_size + p % block_size. Within one block and one
+KV head the block_size x head_dim tile is contiguous, so a GPU program that owns a KV head reads
+each block as one coalesced run of block_size * head_dim elements, and GQA heads sharing that KV
+head reuse it from registers/shared memory.
+
+How the mixed batch is computed here:
+- decode rows (q_len == 1) go through one batched SDPA call: their block tables are gathered
+  once, padded to the longest context and masked. On 2 CPU threads this beats a per-request loop
+  from a handful of requests on (see benchmarks/kernels.py).
+- prompt chunks (q_len > 1) loop per request, which is fine: each one carries many tokens of work.
+GQA never repeats K/V: a KV head's `group` query heads are folded into its query rows
+([kv_heads, group * q_len, head_dim]), so every K/V row is read once per KV head.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.kv_quant import check_scale, quantize_for_cache
+from kvserve.kernels.validation import (
+    check_attention_shapes,
+    check_attention_values,
+    check_write_shapes,
+    check_write_values,
+)
 
 
 def write_kv_cache(
@@ -17,13 +37,19 @@ def write_kv_cache(
     key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int; -1 marks padding that is not written
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> None:
-    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    """Scatter this step's K/V rows into their slots, quantising for an fp8 cache."""
+    check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+    check_write_values(slot_mapping, key_cache)
+    block_size = key_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, :, offsets] = key[valid].to(key_cache.dtype)
-    value_cache[blocks, :, offsets] = value[valid].to(value_cache.dtype)
+    key_cache[blocks, :, offsets] = quantize_for_cache(key[valid], key_cache.dtype, check_scale("k_scale", k_scale))
+    value_cache[blocks, :, offsets] = quantize_for_cache(value[valid], value_cache.dtype, check_scale("v_scale", v_scale))
 
 
 def paged_attention(
@@ -34,28 +60,111 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs]: context length including this step's tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1]: request i's queries are rows [q[i], q[i+1])
     scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
     """Each request's queries are the last q_len positions of its seq_len-token context and
-    attend causally to it (prefix hits and earlier chunks included)."""
-    num_tokens, num_heads, head_dim = query.shape
+    attend causally to it (prefix hits and earlier chunks included). Returns [num_tokens, num_heads, head_dim]."""
+    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc)
+    # k_scale multiplies every score, v_scale every output row: fold them in, never touch the cache.
+    score_scale = scale * check_scale("k_scale", k_scale)
+    out_scale = check_scale("v_scale", v_scale)
+    out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+
+    if max_query_len == 1:  # the caller promises a pure decode step: no need to read the offsets
+        decode_seqs = torch.arange(seq_lens.shape[0], device=query.device)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len)
+        return out
+
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    if decodes:
+        decode_seqs = torch.tensor(decodes, device=query.device)
+        rows = torch.tensor([starts[i] for i in decodes], device=query.device)
+        longest = max(lens[i] for i in decodes)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, rows, score_scale, out_scale, longest)
+    for i, q_len in enumerate(q_lens):
+        if q_len > 1:
+            out[starts[i] : starts[i + 1]] = _chunk_attention(
+                query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale
+            )
+    return out
+
+
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., n] block ids -> [kv_heads, ..., n * block_size, head_dim] in `dtype` (one copy)."""
+    num_kv_heads, block_size, head_dim = cache.shape[1], cache.shape[2], cache.shape[3]
+    # Indexing the head-major view puts kv_heads first and keeps each block's rows adjacent, so
+    # the flattening reshape below is free.
+    gathered = cache.transpose(0, 1)[:, block_ids.long()]
+    return gathered.reshape(num_kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim).to(dtype)
+
+
+def _decode_batch(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seqs: torch.Tensor,  # which sequences are decodes
+    rows: torch.Tensor,  # their (single) query row each
+    score_scale: float,
+    out_scale: float,
+    max_seq_len: int | None,
+) -> None:
+    num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    lens = seq_lens[seqs].long()
+    longest = int(lens.max()) if max_seq_len is None else max_seq_len
+    num_blocks = (longest + block_size - 1) // block_size
+    tables = block_tables[seqs, :num_blocks].long()
+    # Entries past a sequence's last block are padding (possibly -1): point them at block 0; the
+    # length mask hides whatever they hold.
+    in_use = torch.arange(num_blocks, device=query.device) < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    tables = torch.where(in_use, tables, torch.zeros_like(tables))
+    k = _gather_context(key_cache, tables, query.dtype)  # [kv_heads, n, L, D]
+    v = _gather_context(value_cache, tables, query.dtype)
+    q = query[rows].view(-1, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, n, group, D]
+    visible = torch.arange(k.shape[2], device=query.device) < lens.unsqueeze(1)  # [n, L]
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[None, :, None, :], scale=score_scale)
+    if out_scale != 1.0:
+        attn = attn * out_scale
+    out[rows] = attn.transpose(0, 1).reshape(-1, num_heads, head_dim)
+
+
+def _chunk_attention(
+    q: torch.Tensor,  # [q_len, num_heads, D]: the last q_len positions of the context
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    score_scale: float,
+    out_scale: float,
+) -> torch.Tensor:
+    q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q = query[starts[i] : starts[i + 1]]
-        q_len = q.shape[0]
-        num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[i, :num_blocks].long()
-        # [num_blocks, kv_heads, block_size, D] -> [kv_heads, seq_len, D]
-        k = key_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-        v = value_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
-        k = k.repeat_interleave(group, dim=0).to(query.dtype)
-        v = v.repeat_interleave(group, dim=0).to(query.dtype)
-        scores = torch.einsum("qhd,hkd->hqk", q.float(), k.float()) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,hkd->qhd", probs, v.float()).to(query.dtype)
-    return out
+    blocks = block_table[: (seq_len + block_size - 1) // block_size]
+    k = _gather_context(key_cache, blocks, q.dtype)[:, :seq_len]  # [kv_heads, seq_len, D]
+    v = _gather_context(value_cache, blocks, q.dtype)[:, :seq_len]
+    # Fold each KV head's group of query heads into its rows: row g * q_len + t is head g, token t.
+    q_rows = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+    if group == 1 and q_len == seq_len:
+        attn = F.scaled_dot_product_attention(q_rows, k, v, is_causal=True, scale=score_scale)
+    else:
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat(group)
+        causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= positions.unsqueeze(1)
+        attn = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=causal, scale=score_scale)
+    if out_scale != 1.0:
+        attn = attn * out_scale
+    return attn.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)

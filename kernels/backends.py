@@ -1,0 +1,116 @@
+"""Attention backends: the two implementations of one contract, and the choice between them.
+
+The engine holds one backend object and calls `write_kv_cache` / `paged_attention` on it every
+layer; which one it holds is decided once, from the device and the `--attention-backend` option.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvserve.kernels import torch_attention
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> None: ...
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        *,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TorchAttentionBackend:
+    """Plain torch: the CPU path. Validates every call's metadata (cheap on CPU)."""
+
+    name: str = "torch"
+
+    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
+        torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    def paged_attention(
+        self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        *, max_query_len=None, max_seq_len=None, k_scale=None, v_scale=None,
+    ) -> torch.Tensor:
+        return torch_attention.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
+        )
+
+
+@dataclass(frozen=True)
+class TritonAttentionBackend:
+    """Triton kernels: the GPU path. `debug=True` also checks slots and block tables against the
+    cache on every call (a host sync per call: for hunting bugs, not for serving)."""
+
+    debug: bool = False
+    name: str = "triton"
+
+    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
+        # Imported here so that machines without triton can still use the torch backend.
+        from kvserve.kernels.triton_kv_write import triton_write_kv_cache
+
+        triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, check_slots=self.debug)
+
+    def paged_attention(
+        self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        *, max_query_len=None, max_seq_len=None, k_scale=None, v_scale=None,
+    ) -> torch.Tensor:
+        from kvserve.kernels.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
+            check_block_tables=self.debug,
+        )
+
+
+def select_attention_backend(name: str, device: torch.device, *, debug: bool = False) -> AttentionBackend:
+    """"auto": Triton on CUDA, torch elsewhere; "torch" / "triton" force one."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    device = torch.device(device)
+    triton_installed = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_installed else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if not triton_installed:
+        raise RuntimeError("the triton attention backend needs the `triton` package: pip install triton, or use --attention-backend torch")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"the triton attention backend needs a CUDA device, got {device}; use --attention-backend torch, "
+            "or set TRITON_INTERPRET=1 before kvserve is imported to run the kernels in Triton's (very slow) interpreter"
+        )
+    return TritonAttentionBackend(debug=debug)

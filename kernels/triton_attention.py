@@ -1,0 +1,144 @@
+"""Paged attention on the GPU: launch planning for the Triton programs in triton_attention_kernels.
+
+Everything here reads tensor shapes only, never their contents, so a step costs one launch (two
+when the KV range is split) and no host synchronisation. The split count comes from shapes and
+the optional `max_seq_len` hint: flash-decoding pays off when few (request, KV head) programs
+would leave most SMs idle while each walks a long context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvserve.kernels.kv_quant import check_scale
+from kvserve.kernels.triton_attention_kernels import merge_splits_kernel, paged_attention_kernel
+from kvserve.kernels.validation import KernelInputError, check_attention_shapes, check_attention_values
+
+LOG2_E = 1.4426950408889634
+MIN_DOT_SIZE = 16  # tl.dot on NVIDIA GPUs needs every dimension >= 16
+MAX_SPLITS = 16
+MIN_TOKENS_PER_SPLIT = 256  # below this the merge costs more than the parallelism gains
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_q: int  # query tokens per program
+    tile: int  # context positions per inner-loop step
+    num_splits: int
+    kv_split_len: int  # context positions per split (a multiple of `tile`)
+
+    def __post_init__(self) -> None:
+        if self.block_q < 1 or self.num_splits < 1 or self.kv_split_len % self.tile:
+            raise ValueError(f"inconsistent launch plan {self}")
+
+
+def plan_launch(
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_context: int,
+    num_sms: int,
+    num_kv_splits: int | None = None,
+    max_query_len: int | None = None,
+) -> LaunchPlan:
+    """Tile sizes and split count from shapes alone. `num_kv_splits` forces a split count."""
+    group_pad = triton.next_power_of_2(group)
+    # Every scheduled request brings >= 1 token, so as many tokens as requests means all decodes.
+    decode_only = max_query_len == 1 or num_tokens == num_seqs
+    rows = MIN_DOT_SIZE if decode_only else 64  # prompt chunks amortise bigger tiles
+    block_q = max(1, rows // group_pad)
+    tile = 64 if head_dim <= 128 else 32
+    max_context = max(max_context, 1)
+    if num_kv_splits is None:
+        programs = (num_tokens // block_q + num_seqs) * num_kv_heads if not decode_only else num_seqs * num_kv_heads
+        wanted = math.ceil(2 * num_sms / max(programs, 1))
+        num_kv_splits = max(1, min(MAX_SPLITS, wanted, max_context // MIN_TOKENS_PER_SPLIT))
+    per_split = math.ceil(math.ceil(max_context / num_kv_splits) / tile) * tile
+    num_splits = math.ceil(max_context / per_split)  # never launch a split that can hold no keys
+    return LaunchPlan(block_q=block_q, tile=tile, num_splits=num_splits, kv_split_len=per_split)
+
+
+def triton_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # [num_seqs], this step's tokens included
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_splits: int | None = None,
+    check_block_tables: bool = False,
+) -> torch.Tensor:
+    """Same contract as `torch_attention.paged_attention`. `check_block_tables` validates the
+    metadata's contents (a host sync: for debugging, not serving); `num_kv_splits` forces the
+    flash-decoding split count (tests use it to exercise the merge on tiny shapes)."""
+    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    if query.stride(-1) != 1:
+        raise KernelInputError("query must be contiguous in head_dim (the last dimension); call .contiguous() first")
+    if key_cache.stride() != value_cache.stride():
+        raise KernelInputError(f"key_cache strides {key_cache.stride()} differ from value_cache's {value_cache.stride()}; allocate both alike")
+    if query.shape[2] < MIN_DOT_SIZE:
+        raise KernelInputError(f"the Triton kernel needs head_dim >= {MIN_DOT_SIZE}, got {query.shape[2]}; use the torch backend")
+    if check_block_tables:
+        check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc)
+    score_scale_log2 = scale * check_scale("k_scale", k_scale) * LOG2_E
+    out_scale = check_scale("v_scale", v_scale)
+
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    on_gpu = query.device.type == "cuda"
+    num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if on_gpu else 1
+    max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, max_context, num_sms, num_kv_splits, max_query_len)
+    # The interpreter multiplies bf16 bits wrongly in tl.dot, so off-GPU everything is fp32; on a
+    # GPU fp32 inputs ask for IEEE products (TF32 would cost ~3 decimal digits).
+    dot_fp32 = not on_gpu or query.dtype == torch.float32
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    if plan.num_splits > 1:
+        partial_out = torch.empty(plan.num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty(plan.num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)
+    else:  # never read: the single-split program writes `out` directly
+        partial_out = partial_lse = out
+
+    grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, plan.num_splits)
+    paged_attention_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        out, partial_out, partial_lse,
+        score_scale_log2, out_scale, num_seqs, plan.kv_split_len,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, TILE=plan.tile,
+        NUM_SPLITS=plan.num_splits, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
+    )
+    if plan.num_splits > 1:
+        merge_splits_kernel[(num_tokens, num_heads)](
+            out, partial_out, partial_lse, out_scale,
+            out.stride(0), out.stride(1),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            NUM_SPLITS=plan.num_splits, SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        )
+    return out

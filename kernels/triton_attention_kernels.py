@@ -1,0 +1,166 @@
+"""Triton programs for paged attention over a mixed batch (decode rows and prompt chunks).
+
+One launch covers the whole batch. The grid is (query tiles, KV heads, KV splits):
+
+    axis 0: query tile  -- BLOCK_Q consecutive query tokens of ONE request. Request s owns tiles
+                           [start[s] // BLOCK_Q + s, start[s+1] // BLOCK_Q + s + 1); the tile count is
+                           bounded by num_tokens // BLOCK_Q + num_seqs, known from shapes alone, so
+                           the launcher never reads the offsets (no host sync). Tiles past the end of
+                           a request exit at once.
+    axis 1: KV head     -- the tile's rows are BLOCK_Q tokens x GROUP query heads sharing this KV
+                           head, so each K/V tile is loaded once and used by the whole group:
+
+                               row r = token (r // GROUP_PAD), head kv_head * GROUP + r % GROUP_PAD
+                               Q tile [BLOCK_Q * GROUP_PAD, HEAD_DIM] . K tile^T [HEAD_DIM, TILE]
+
+    axis 2: KV split    -- flash-decoding: split `split` covers context positions
+                           [split * kv_split_len, (split + 1) * kv_split_len). With one split the
+                           program writes the output; otherwise it writes a normalised partial
+                           result and its log2-sum-exp, and `_merge_splits_kernel` combines them.
+
+K/V tiles are gathered through the block table per position, so TILE need not equal the block
+size (tl.dot wants >= 16 on a GPU; blocks may be 8). Softmax runs online in base 2 with the
+scale (and the fp8 k_scale) folded into one multiplier.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.constexpr):
+    """The last request s whose first tile index (start[s] // BLOCK_Q + s) is <= tile_index."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_index:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def paged_attention_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    score_scale_log2, out_scale, num_seqs, kv_split_len,
+    stride_qt, stride_qh,
+    stride_cb, stride_ch, stride_cs,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile_index = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_tile = tile_index - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_before = seq_len - q_len  # positions that precede this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = local_tile * BLOCK_Q + rows // GROUP_PAD
+    group_member = rows % GROUP_PAD
+    head = kv_head * GROUP + group_member
+    row_valid = (q_index < q_len) & (group_member < GROUP)
+    q_pos = context_before + q_index
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_ptrs = query_ptr + (q_start + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # The last query of this tile sees positions < kv_stop; nothing after it is read.
+    kv_stop = tl.minimum(seq_len, context_before + tl.minimum(local_tile * BLOCK_Q + BLOCK_Q, q_len))
+    kv_begin = split * kv_split_len
+    kv_end = tl.minimum(kv_stop, kv_begin + kv_split_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    for tile_start in range(kv_begin, kv_end, TILE):
+        positions = tile_start + tl.arange(0, TILE)
+        pos_valid = positions < kv_end
+        physical = tl.load(table_row + positions // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        kv_offsets = physical[:, None] * stride_cb + kv_head * stride_ch + (positions % BLOCK_SIZE)[:, None] * stride_cs + dims[None, :]
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale_log2  # [BLOCK_M, TILE], log2 units
+        visible = (positions[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row may see nothing in this tile (causal edge, empty split): keep it NaN-free.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    normalised = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    token = q_start + q_index
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptrs, (normalised * out_scale).to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        part_ptrs = partial_out_ptr + split * stride_ps + token[:, None] * stride_pt + head[:, None] * stride_ph + dims[None, :]
+        tl.store(part_ptrs, normalised, mask=store_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        lse_ptrs = partial_lse_ptr + split * stride_ls + token * stride_lt + head
+        tl.store(lse_ptrs, lse, mask=row_valid)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, out_scale,
+    stride_ot, stride_oh,
+    stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program per (token, head): the log-sum-exp-weighted mean of the splits' partial outputs."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    lse = tl.load(
+        partial_lse_ptr + splits * stride_ls + token * stride_lt + head,
+        mask=split_valid, other=float("-inf"),
+    )
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, axis=0)
+    parts = tl.load(
+        partial_out_ptr + splits[:, None] * stride_ps + token * stride_pt + head * stride_ph + dims[None, :],
+        mask=split_valid[:, None] & (dims < HEAD_DIM)[None, :], other=0.0,
+    )
+    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, (merged * out_scale).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)

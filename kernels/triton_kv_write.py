@@ -1,0 +1,79 @@
+"""KV-cache writes in Triton: one launch scatters (and, for fp8, quantises) a step's K/V rows.
+
+The torch path needs a boolean gather of the valid slots, which syncs the host on a GPU; this
+kernel masks the -1 padding slots instead, so a step's writes are one asynchronous launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.kv_quant import FP8_E4M3_MAX, check_scale
+from kvserve.kernels.validation import FP8_KV_DTYPE, KernelInputError, check_write_shapes, check_write_values
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    k_scale, v_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ch, stride_cs,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (slot >= 0) & (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    cache_offsets = block * stride_cb + heads[:, None] * stride_ch + offset * stride_cs + dims[None, :]
+
+    key = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
+    value = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
+    key = key.to(tl.float32) / k_scale
+    value = value.to(tl.float32) / v_scale
+    if SATURATE:  # e4m3fn has no inf: clamp so an outlier saturates instead of becoming NaN
+        key = tl.clamp(key, -FP8_MAX, FP8_MAX)
+        value = tl.clamp(value, -FP8_MAX, FP8_MAX)
+    tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]; -1 = padding, not written
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    check_slots: bool = False,
+) -> None:
+    """Same contract as `torch_attention.write_kv_cache`. `check_slots` reads the slot mapping
+    (a host sync on CUDA) to reject slots past the cache; leave it off in serving."""
+    check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise KernelInputError("key and value must be contiguous in head_dim (the last dimension); call .contiguous() first")
+    if key_cache.stride() != value_cache.stride():
+        raise KernelInputError(f"key_cache strides {key_cache.stride()} differ from value_cache's {value_cache.stride()}; allocate both alike")
+    if check_slots:
+        check_write_values(slot_mapping, key_cache)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, num_kv_heads, block_size, head_dim = key_cache.shape
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        check_scale("k_scale", k_scale), check_scale("v_scale", v_scale),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, SATURATE=key_cache.dtype == FP8_KV_DTYPE, FP8_MAX=FP8_E4M3_MAX,
+    )

@@ -1,0 +1,117 @@
+"""Builds random mixed batches in the paged layout, and the dense answer they must give.
+
+Each request's K/V is scattered into a shuffled set of physical blocks (never contiguous, never
+in order), block-table entries past a request's last block hold -1, and the dense reference runs
+`scaled_dot_product_attention` with an explicit causal mask on the unpaged K/V of each request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import FP8_KV_DTYPE
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    dense_keys: list[torch.Tensor]  # per request [seq_len, kv_heads, head_dim], as stored (dequantised)
+    dense_values: list[torch.Tensor]
+    scale: float
+
+    def attention_args(self) -> tuple:
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale)
+
+
+def make_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    num_kv_heads: int = 2,
+    group: int = 1,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+    kv_scale: float = 1.0,
+    device: str = "cpu",
+    seed: int = 0,
+) -> PagedBatch:
+    assert all(1 <= q <= s for q, s in zip(query_lens, seq_lens, strict=True))
+    generator = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold garbage nobody may read
+    physical = torch.randperm(num_blocks, generator=generator)
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator).to(kv_dtype)
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator).to(kv_dtype)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
+    dense_keys, dense_values = [], []
+    used = 0
+    for i, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+        ids = physical[used : used + n]
+        used += n
+        block_tables[i, :n] = ids
+        # Values the cache holds: scale * (x / scale rounded to the cache dtype).
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator) * kv_scale
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator) * kv_scale
+        k_stored, v_stored = (k / kv_scale).to(kv_dtype), (v / kv_scale).to(kv_dtype)
+        positions = torch.arange(seq_len)
+        key_cache[ids[positions // block_size], :, positions % block_size] = k_stored
+        value_cache[ids[positions // block_size], :, positions % block_size] = v_stored
+        dense_keys.append(k_stored.float() * kv_scale)
+        dense_values.append(v_stored.float() * kv_scale)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return PagedBatch(
+        query=query.to(device),
+        key_cache=key_cache.to(device),
+        value_cache=value_cache.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device),
+        dense_keys=dense_keys,
+        dense_values=dense_values,
+        scale=head_dim**-0.5,
+    )
+
+
+def dense_attention(batch: PagedBatch) -> torch.Tensor:
+    """fp32 SDPA per request on contiguous K/V (GQA by repeating heads), causal mask aligned to
+    the end of the context. Returns [num_tokens, num_heads, head_dim] in float32 on the CPU."""
+    query = batch.query.float().cpu()
+    starts = batch.query_start_loc.tolist()
+    group = query.shape[1] // batch.dense_keys[0].shape[1]
+    outputs = []
+    for i, (k, v) in enumerate(zip(batch.dense_keys, batch.dense_values, strict=True)):
+        q = query[starts[i] : starts[i + 1]].transpose(0, 1)  # [heads, q_len, D]
+        q_len, seq_len = q.shape[1], k.shape[0]
+        keys = k.transpose(0, 1).repeat_interleave(group, dim=0)
+        values = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        causal = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        outputs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=batch.scale).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+# Tolerances per query dtype, against the fp32 dense answer on the same stored K/V. bf16 keeps 8
+# mantissa bits (eps 2^-7) and the interpreter truncates fp32 -> bf16 instead of rounding.
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+}
+
+# The mixed batch of the issue: every required context length, chunks of 1/5/16 next to decodes.
+MIXED_SEQ_LENS = [1, 15, 16, 17, 33, 200, 200]
+MIXED_QUERY_LENS = [1, 5, 16, 1, 5, 1, 16]
+
+FP8 = FP8_KV_DTYPE
