@@ -1,0 +1,284 @@
+"""The iteration-level scheduler (Orca-style continuous batching with chunked prefill).
+
+    scheduler_output = scheduler.schedule()
+    runner_output    = model_runner.execute(scheduler_output)
+    updates          = scheduler.update_from_output(scheduler_output, runner_output)
+
+There is no prefill phase and no decode phase. Every request has `num_tokens` tokens and
+`num_computed_tokens` of them have KV in the cache; a step gives each request part of the
+difference, within one token budget. Running requests go first (most want a single decode
+token), then waiting prompts in policy order, chunked to fit what is left. Requests join and
+leave between any two steps.
+
+When a running request cannot get a block, the newest running request is preempted: its blocks
+are freed and it goes back to the front of the waiting queue with num_computed_tokens = 0. It
+keeps its output tokens and recomputes prompt + output (the prefix cache makes that cheap), so
+its eventual output is the same as if it had never been preempted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+from kvserve.paging.kv_sizing import check_max_model_len_fits
+from kvserve.scheduler.config import SchedulerConfig
+from kvserve.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kvserve.scheduler.request import FinishReason, Request, RequestStatus
+from kvserve.scheduler.request_queue import OrderKey, RequestQueue, order_key
+from kvserve.scheduler.sibling_groups import SiblingGroups
+from kvserve.scheduler.stop_checker import check_stop
+
+if TYPE_CHECKING:
+    from kvserve.paging import KVCacheManager
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step did to one scheduled request: the tokens it gained (none for a prompt chunk
+    that stopped short of the prompt's end) and whether it is now finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    finished: bool
+
+
+@dataclass
+class _StepPlan:
+    """What schedule() is building for one step."""
+
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        # One request of max_model_len tokens must fit alone: then the oldest running request
+        # can always get its blocks by preempting the others, and the scheduler never stalls.
+        check_max_model_len_fits(config.max_model_len, kv_cache_manager.num_blocks, kv_cache_manager.block_size)
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.num_preemptions_total = 0
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._order_keys: dict[str, OrderKey] = {}
+        self._sequence = itertools.count()
+        self._waiting = RequestQueue()
+        self._running = RequestQueue()
+        self._siblings = SiblingGroups()
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled; request ids must be unique")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(f"request {request.request_id!r} must be new (WAITING, nothing computed) to be added")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt; at least one token is needed")
+        max_len = min(self.config.max_model_len, request.max_model_len)
+        if request.num_tokens > max_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} prompt tokens but max_model_len is "
+                f"{max_len}; shorten the prompt or raise max_model_len"
+            )
+        self._requests[request.request_id] = request
+        self._order_keys[request.request_id] = order_key(self.config.policy, request, next(self._sequence))
+        if not self._siblings.hold(request):
+            self._push_waiting(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], reason: FinishReason, stop_reason: int | str | None = None
+    ) -> list[Request]:
+        """Ends requests wherever they are (aborts, stop strings found by the engine) and frees
+        everything they hold. Unknown or already finished ids are ignored. Safe between
+        schedule() and update_from_output(): the update skips requests finished meanwhile."""
+        finished = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self._running.remove(request, self._order_keys[request_id])
+            elif self._siblings.is_held(request):
+                pass  # held siblings sit in no queue; _retire drops them from their group
+            else:
+                self._waiting.remove(request, self._order_keys[request_id])
+            request.finish_reason = reason
+            request.stop_reason = stop_reason
+            self._retire(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, preempted, or n > 1 siblings waiting to share a prompt."""
+        return len(self._requests) - len(self._running)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # After a preemption the cache is full: admitting new prompts would only evict the
+        # requests that were just preempted, or be preempted in turn next step.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return SchedulerOutput(
+            scheduled=plan.scheduled,
+            blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
+            preempted_request_ids=plan.preempted,
+        )
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        # Oldest first. Victims come from the back, so a victim is never a request already
+        # scheduled in this step, unless the request being served is itself the newest.
+        index = 0
+        while index < len(self._running) and plan.budget > 0:
+            request = self._running[index]
+            num_new = self._chunk_size(request, request.num_computed_tokens, plan.budget)
+            while (block_ids := self._allocate(request, num_new)) is None:
+                victim = self._running.pop_back()
+                self._preempt(victim, plan)
+                if victim is request:
+                    return
+            self._add_to_plan(plan, request, num_new, block_ids)
+            index += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self._waiting and plan.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting.front()
+            # Full blocks already in the cache (from other requests, or its own before a
+            # preemption) are reused; at least the last token is always computed, to sample.
+            cached_blocks, num_cached = kv.get_computed_blocks(request.all_token_ids, request.cache_salt)
+            num_new = self._chunk_size(request, num_cached, plan.budget)
+            block_ids = kv.allocate_slots(
+                request.request_id, request.all_token_ids, num_cached, num_new, cached_blocks, request.cache_salt
+            )
+            if block_ids is None:
+                break  # FCFS: no overtaking the head, so it cannot starve
+            self._waiting.pop_front()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self._start_running(request)
+            self._add_to_plan(plan, request, num_new, block_ids)
+
+    def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _allocate(self, request: Request, num_new: int) -> list[int] | None:
+        return self.kv_cache_manager.allocate_slots(
+            request.request_id, request.all_token_ids, request.num_computed_tokens, num_new,
+            cache_salt=request.cache_salt,
+        )
+
+    def _add_to_plan(self, plan: _StepPlan, request: Request, num_new: int, block_ids: list[int]) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        plan.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start:end],
+                num_computed_tokens=start,
+                block_ids=block_ids,
+                samples=end == request.num_tokens,
+                sampling_params=request.sampling_params,
+                seed=request.seed,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+            )
+        )
+        plan.budget -= num_new
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """The caller has already taken `request` out of the running set."""
+        self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        plan.preempted.append(request.request_id)
+        self._push_waiting(request)
+        # Its held siblings cannot fork from blocks it no longer has.
+        for sibling in self._siblings.discard(request):
+            self._push_waiting(sibling)
+
+    # ------------------------------------------------------------------ after the model ran
+
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        sampled = dict(zip(runner_output.request_ids, zip(runner_output.sampled_token_ids, runner_output.logprobs)))
+        updates = []
+        for scheduled in output.scheduled:
+            request = self._requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (e.g. aborted) between schedule() and now
+            request.num_computed_tokens += scheduled.num_tokens
+            new_token_ids: list[int] = []
+            logprobs: list[TokenLogprobs | None] = []
+            if scheduled.samples:
+                if scheduled.request_id not in sampled:
+                    raise ValueError(
+                        f"the model runner returned no token for {scheduled.request_id!r}, which was scheduled to "
+                        "sample; ModelRunnerOutput must hold one token per scheduled request with samples=True"
+                    )
+                token_id, token_logprobs = sampled[scheduled.request_id]
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                logprobs.append(token_logprobs)
+            # Before the leader can be freed: its siblings fork the prompt's blocks now.
+            if self._siblings.has_held(request) and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._fork_siblings(request)
+            finished = scheduled.samples and check_stop(request, self.config.max_model_len)
+            if finished:
+                self._running.remove(request, self._order_keys[request.request_id])
+                self._retire(request)
+            updates.append(RequestUpdate(request, new_token_ids, logprobs, finished))
+        return updates
+
+    def _fork_siblings(self, leader: Request) -> None:
+        """Siblings share the blocks of the leader's first prompt_len - 1 positions and compute
+        the last prompt token themselves: their first step samples their own first token, and
+        the allocator copies the shared partial block on write."""
+        num_shared = leader.num_prompt_tokens - 1
+        for sibling in self._siblings.take_held(leader):
+            if num_shared == 0 or len(self._running) >= self.config.max_num_seqs:
+                self._push_waiting(sibling)
+                continue
+            self.kv_cache_manager.fork(leader.request_id, sibling.request_id, num_shared)
+            sibling.num_computed_tokens = num_shared
+            sibling.num_cached_tokens = leader.num_cached_tokens
+            self._start_running(sibling)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _push_waiting(self, request: Request) -> None:
+        self._waiting.push(request, self._order_keys[request.request_id])
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self._running.push(request, self._order_keys[request.request_id])
+
+    def _retire(self, request: Request) -> None:
+        """The caller has taken `request` out of its queue and set its finish reason."""
+        if request.status is RequestStatus.RUNNING:
+            self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        del self._requests[request.request_id]
+        del self._order_keys[request.request_id]
+        for sibling in self._siblings.discard(request):
+            self._push_waiting(sibling)

@@ -1,0 +1,34 @@
+"""Decides whether a request is done after a token was appended to it.
+
+Stop strings are not checked here: they need detokenized text, which the engine owns; it ends
+such a request through `Scheduler.finish_requests`.
+"""
+
+from __future__ import annotations
+
+from kvserve.scheduler.request import FinishReason, Request
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Sets `finish_reason` (and `stop_reason`) and returns True when the request's last token
+    ends it. Order matters when several apply to the same token: a stop token wins over a length
+    limit, so a request whose last allowed token is EOS reports "stop", as OpenAI's API does."""
+    params = request.sampling_params
+    last_token = request.output_token_ids[-1]
+    # min_tokens holds back stop tokens and EOS only; the length limits always apply.
+    if request.num_output_tokens >= params.min_tokens:
+        if last_token in params.stop_token_ids:
+            return _finish(request, FinishReason.STOP, last_token)
+        if not params.ignore_eos and last_token == request.eos_token_id:
+            return _finish(request, FinishReason.STOP, None)
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return _finish(request, FinishReason.LENGTH, None)
+    if request.num_tokens >= min(max_model_len, request.max_model_len):
+        return _finish(request, FinishReason.LENGTH, None)
+    return False
+
+
+def _finish(request: Request, reason: FinishReason, stop_reason: int | None) -> bool:
+    request.finish_reason = reason
+    request.stop_reason = stop_reason
+    return True

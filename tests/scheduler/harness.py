@@ -1,0 +1,147 @@
+"""Drives a real Scheduler and KV cache manager with the fake model, and checks invariants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.paging import KVCacheManager
+from kvserve.scheduler import (
+    Request,
+    RequestUpdate,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from tests.scheduler.fake_model import FakeModelRunner
+
+BLOCK_SIZE = 8
+VOCAB_SIZE = 32
+EOS = VOCAB_SIZE  # outside the fake model's vocabulary: never sampled unless a test says so
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int] | int,
+    *,
+    arrival: float | None = None,
+    priority: int = 0,
+    eos: int | None = EOS,
+    parent_id: str | None = None,
+    index: int = 0,
+    max_model_len: int = 2**31 - 1,
+    **params: object,
+) -> Request:
+    """`prompt` is token ids, or a length (tokens derived from the id, so prompts differ)."""
+    if isinstance(prompt, int):
+        prompt = [(hash(request_id) + i) % VOCAB_SIZE for i in range(prompt)]
+    params.setdefault("max_tokens", 4)
+    params.setdefault("ignore_eos", False)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(**params),
+        eos_token_id=eos,
+        arrival_time=0.0 if arrival is None else arrival,
+        priority=priority,
+        parent_id=parent_id,
+        index=index,
+        max_model_len=max_model_len,
+    )
+
+
+def make_config(**overrides: object) -> SchedulerConfig:
+    """A SchedulerConfig whose max_model_len fits the small caches these tests use."""
+    overrides.setdefault("max_model_len", 64)
+    return SchedulerConfig(**overrides)
+
+
+@dataclass
+class StepRecord:
+    output: SchedulerOutput
+    updates: list[RequestUpdate]
+
+    @property
+    def batch(self) -> list[tuple[str, int]]:
+        """(request id, tokens scheduled) in batch order."""
+        return [(r.request_id, r.num_tokens) for r in self.output.scheduled]
+
+
+@dataclass
+class Harness:
+    num_blocks: int
+    block_size: int = BLOCK_SIZE
+    enable_prefix_caching: bool = True
+    config: SchedulerConfig = field(default_factory=make_config)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, Request] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.runner = FakeModelRunner(self.num_blocks, self.block_size, VOCAB_SIZE)
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.outputs[request.request_id] = []
+            self.scheduler.add_request(request)
+
+    def schedule(self) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        self.check_output(output)
+        return output
+
+    def update(self, output: SchedulerOutput) -> list[RequestUpdate]:
+        updates = self.scheduler.update_from_output(output, self.runner.execute(output))
+        for update in updates:
+            self.outputs[update.request.request_id].extend(update.new_token_ids)
+            if update.finished:
+                self.finished[update.request.request_id] = update.request
+        self.steps.append(StepRecord(output, updates))
+        return updates
+
+    def step(self) -> StepRecord:
+        self.update(self.schedule())
+        return self.steps[-1]
+
+    def run(self, max_steps: int = 10_000) -> list[StepRecord]:
+        start = len(self.steps)
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return self.steps[start:]
+            self.step()
+        raise AssertionError(f"not idle after {max_steps} steps")
+
+    def abort(self, *request_ids: str) -> list[Request]:
+        from kvserve.scheduler import FinishReason
+
+        aborted = self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+        for request in aborted:
+            self.finished[request.request_id] = request
+        return aborted
+
+    def check_output(self, output: SchedulerOutput) -> None:
+        """Invariants of every step."""
+        config = self.config
+        assert output.num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(output.scheduled) <= config.max_num_seqs
+        assert self.scheduler.num_running <= config.max_num_seqs
+        ids = [r.request_id for r in output.scheduled]
+        assert len(ids) == len(set(ids)), "a request appears twice in one step"
+        for scheduled in output.scheduled:
+            assert scheduled.num_tokens >= 1
+            assert len(scheduled.block_ids) * self.block_size >= scheduled.seq_len
+            if config.long_prefill_token_threshold:
+                assert scheduled.num_tokens <= config.long_prefill_token_threshold
+        # No physical block is in two tables unless the prefix cache or a fork shares it, and
+        # then only on the positions both have computed, which the fake model checks.
+        stats = self.kv.stats()
+        assert stats.blocks_used + stats.blocks_cached + stats.blocks_free == stats.blocks_total
+
+    def assert_idle(self) -> None:
+        assert not self.scheduler.has_unfinished_requests()
+        assert self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0
+        stats = self.kv.stats()
+        assert stats.blocks_used == 0, f"{stats.blocks_used} blocks still held at idle"
+        assert stats.blocks_free + stats.blocks_cached == stats.blocks_total
