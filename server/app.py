@@ -1,0 +1,43 @@
+"""`build_app(engine, settings)`: the FastAPI application, wired from the pieces in this package.
+
+`engine` may be None: the app then answers /health with 503 "loading" until
+`serving_state(app).attach_engine(engine)` is called, which lets `kvserve serve` accept
+connections (and report not-ready) while the model loads.
+"""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI
+
+from kvserve.server.auth import api_key_dependency
+from kvserve.server.chat import chat_router
+from kvserve.server.completions import completions_router
+from kvserve.server.engine_protocol import ServingEngine
+from kvserve.server.errors import install_error_handlers
+from kvserve.server.http_metrics import HttpMetrics, HttpMetricsMiddleware
+from kvserve.server.info_routes import kvserve_version, models_router, operations_router
+from kvserve.server.serving_state import ServingState
+from kvserve.server.settings import ServerSettings
+
+
+def build_app(engine: ServingEngine | None, settings: ServerSettings, *,
+              metrics: HttpMetrics | None = None) -> FastAPI:
+    state = ServingState(settings, engine)
+    app = FastAPI(title="kvserve", version=kvserve_version(),
+                  description="An OpenAI-compatible LLM server with a paged KV cache.")
+    app.state.serving = state
+    install_error_handlers(app)
+    v1_dependencies = [Depends(api_key_dependency(settings.api_key))] if settings.api_key else []
+    app.include_router(completions_router(state), dependencies=v1_dependencies)
+    app.include_router(chat_router(state), dependencies=v1_dependencies)
+    app.include_router(models_router(state), dependencies=v1_dependencies)
+    app.include_router(operations_router(state, metrics))
+    if metrics is not None:
+        app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    return app
+
+
+def serving_state(app: FastAPI) -> ServingState:
+    state = app.state.serving
+    assert isinstance(state, ServingState), "the app was not made by build_app"
+    return state

@@ -1,0 +1,230 @@
+"""The `kvserve` console script: `kvserve serve ...` and `kvserve kv-size ...`.
+
+Serve flags are named as vLLM names them. Every serve flag can also be set from the environment
+as KVSERVE_<FLAG> (e.g. KVSERVE_MAX_MODEL_LEN=4096, KVSERVE_ENABLE_PREFIX_CACHING=false); a flag
+on the command line wins. Every value is checked, and the configs are built, before the model
+loads: a bad value prints a clear message and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from kvserve.engine.config import DEFAULT_MODEL, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, ConfigError, EngineConfig
+from kvserve.engine.model_errors import ModelNotFoundError
+from kvserve.engine.model_source import resolve_model
+from kvserve.paging.kv_sizing import parse_memory_size
+from kvserve.server import kv_size_command
+from kvserve.server.limits import ServerLimits
+from kvserve.server.settings import LOG_LEVELS, ServerSettings
+
+ENV_PREFIX = "KVSERVE_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, serve_parser, serve_actions = build_parser()
+    apply_environment(serve_parser, serve_actions, os.environ)
+    args = parser.parse_args(argv)
+    if args.command == "kv-size":
+        return kv_size_command.run(args)
+    engine_config, settings = configs_from_args(serve_parser, args)
+    # Imported here so `kvserve --help` and bad flags answer without importing torch and uvicorn.
+    from kvserve.server.serve import run_server
+
+    return run_server(engine_config, settings)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, list[argparse.Action]]:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: an LLM inference server with a paged KV cache.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,kv-size}")
+    serve_parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+                    "/health, /metrics, /tokenize, /detokenize).",
+        epilog=f"Every option can also be set by an environment variable {ENV_PREFIX}<OPTION>, e.g. "
+               f"{ENV_PREFIX}MAX_MODEL_LEN=4096 or {ENV_PREFIX}ENABLE_PREFIX_CACHING=false; a flag given on the "
+               "command line wins. On SIGTERM the server stops admitting (503), lets in-flight requests finish "
+               "within --shutdown-grace-period, aborts the rest and exits 0.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    actions = _add_serve_options(serve_parser)
+    kv_size_command.add_parser(subparsers)
+    return parser, serve_parser, actions
+
+
+def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    defaults = EngineConfig()
+    server = ServerSettings()
+    limits = ServerLimits()
+    flag = argparse.BooleanOptionalAction
+    model = p.add_argument_group("model")
+    cache = p.add_argument_group("KV cache and batching")
+    http = p.add_argument_group("HTTP")
+    caps = p.add_argument_group("per-request caps (a single request must not exhaust the server)")
+    return [
+        model.add_argument("--model", default=defaults.model,
+                           help=f"{DEFAULT_MODEL!r} (bundled), a .gguf file or a local Hugging Face directory"),
+        model.add_argument("--served-model-name", default=None,
+                           help="the name clients pass as 'model' and see in responses (default: --model)"),
+        model.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=defaults.dtype,
+                           help="weights and activations dtype; auto: bfloat16 on CUDA, the faster choice on CPU"),
+        model.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N"),
+        model.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=defaults.attention_backend,
+                           help="paged-attention implementation"),
+        model.add_argument("--seed", type=_non_negative_int, default=defaults.seed,
+                           help="seed for requests that do not give one"),
+        cache.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=defaults.block_size,
+                           help="tokens per KV-cache block"),
+        cache.add_argument("--max-model-len", type=_positive_int, default=None,
+                           help="longest prompt + completion in tokens (default: the model's context length)"),
+        cache.add_argument("--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs,
+                           help="most requests running in one batch"),
+        cache.add_argument("--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens,
+                           help="token budget of one engine step (prefill chunks + decodes)"),
+        cache.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                           help="KV-cache blocks to allocate (overrides --kv-cache-memory)"),
+        cache.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="SIZE",
+                           help="memory for the KV cache, e.g. 4GiB, 512MB or bytes (default: sized from free memory)"),
+        cache.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=defaults.kv_cache_dtype,
+                           help="KV-cache element type; auto follows --dtype"),
+        cache.add_argument("--enable-prefix-caching", action=flag, default=defaults.enable_prefix_caching,
+                           help="reuse the KV blocks of shared prompt prefixes"),
+        http.add_argument("--host", default=server.host, help="address to bind (0.0.0.0 for all interfaces)"),
+        http.add_argument("--port", type=_port, default=server.port, help="port to bind (0: any free port)"),
+        http.add_argument("--api-key", default=None,
+                          help="require 'Authorization: Bearer <key>' on /v1/* (also KVSERVE_API_KEY)"),
+        http.add_argument("--max-queued-requests", type=_non_negative_int, default=server.max_queued_requests,
+                          help="sequences that may wait beyond --max-num-seqs; past that, 503 + Retry-After"),
+        http.add_argument("--shutdown-grace-period", type=_non_negative_float, default=server.shutdown_grace_period,
+                          metavar="SECONDS", help="on SIGTERM, how long in-flight requests may take to finish"),
+        http.add_argument("--log-level", choices=LOG_LEVELS, default=server.log_level, help="logging verbosity"),
+        caps.add_argument("--max-n", type=_positive_int, default=limits.max_n, help="largest n per request"),
+        caps.add_argument("--max-logprobs", type=_non_negative_int, default=limits.max_logprobs,
+                          help="largest logprobs / top_logprobs"),
+        caps.add_argument("--max-stop-strings", type=_positive_int, default=limits.max_stop_strings,
+                          help="most stop strings (and stop_token_ids) per request"),
+        caps.add_argument("--max-stop-string-length", type=_positive_int, default=limits.max_stop_string_length,
+                          help="longest stop string, in characters"),
+        caps.add_argument("--max-tokens-per-request", type=_positive_int, default=limits.max_tokens,
+                          help="largest max_tokens a request may ask for"),
+        caps.add_argument("--max-prompts-per-request", type=_positive_int, default=limits.max_prompts_per_request,
+                          help="most prompts in one /v1/completions request"),
+        caps.add_argument("--max-logit-bias", type=_positive_int, default=limits.max_logit_bias,
+                          help="most logit_bias entries per request"),
+        caps.add_argument("--max-request-body-bytes", type=_byte_size, default=limits.max_body_bytes, metavar="SIZE",
+                          help="largest request body (413 beyond it)"),
+    ]
+
+
+def env_name(action: argparse.Action) -> str:
+    long_flag = next(s for s in action.option_strings if s.startswith("--"))
+    return ENV_PREFIX + long_flag[2:].upper().replace("-", "_")
+
+
+def apply_environment(parser: argparse.ArgumentParser, actions: Sequence[argparse.Action],
+                      environ: Mapping[str, str]) -> None:
+    """KVSERVE_<OPTION> values become the options' defaults, checked exactly like flags."""
+    for action in actions:
+        name = env_name(action)
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            value = _convert_env(action, raw)
+        except (ValueError, argparse.ArgumentTypeError) as error:
+            parser.error(f"environment variable {name}={raw!r}: {error}")
+        parser.set_defaults(**{action.dest: value})
+
+
+def _convert_env(action: argparse.Action, raw: str) -> object:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if raw.strip().lower() in _TRUE:
+            return True
+        if raw.strip().lower() in _FALSE:
+            return False
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+    value = action.type(raw) if callable(action.type) else raw
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"invalid choice; choose from {', '.join(map(str, action.choices))}")
+    return value
+
+
+def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[EngineConfig, ServerSettings]:
+    """Builds (and so validates) both configs; any bad value exits with status 2 here."""
+    try:
+        engine_config = EngineConfig(
+            model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
+            attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+            seed=args.seed)
+        limits = ServerLimits(
+            max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length, max_tokens=args.max_tokens_per_request,
+            max_prompts_per_request=args.max_prompts_per_request, max_body_bytes=args.max_request_body_bytes,
+            max_logit_bias=args.max_logit_bias)
+        settings = ServerSettings(
+            host=args.host, port=args.port, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+            shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level, limits=limits)
+    except ConfigError as error:
+        parser.error(f"{error.option}: {error}")
+    if args.model != DEFAULT_MODEL:  # the default is resolved (and fetched if need be) at load time
+        try:
+            resolve_model(args.model)
+        except ModelNotFoundError as error:
+            parser.error(f"--model: {error}")
+    return engine_config, settings
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_memory_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""What the server needs from an engine. `kvserve.engine.AsyncEngine` provides it; tests use a fake.
+
+Written as Protocols so the HTTP layer can be exercised without a model, and so the seam between
+server and engine is visible in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.outputs import RequestOutput
+from kvserve.scheduler.sampling_params import SamplingParams
+
+
+class ServingTokenizer(Protocol):
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_to_text(self, token_id: int) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+
+
+class ServingEngine(Protocol):
+    config: EngineConfig
+    tokenizer: ServingTokenizer
+    max_model_len: int
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> BaseException | None: ...
+
+    def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
+                 *, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...

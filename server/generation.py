@@ -1,0 +1,127 @@
+"""Runs one HTTP request's prompts through the engine concurrently and merges their outputs.
+
+Each prompt gets its own task pumping `engine.generate` into one queue, so a batched request's
+prompts progress together. Leaving the iteration early (client gone, cancellation) cancels the
+pumps, which makes the engine abort those requests and free their blocks. When the server's drain
+grace period runs out (`abort_all`), unfinished completions end with finish_reason "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.scheduler.request import FinishReason
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.server.engine_protocol import ServingEngine
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    request_id: str
+    prompt_text: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationUpdate:
+    job_index: int
+    output: RequestOutput  # cumulative, as the engine reports it
+
+
+@dataclass(frozen=True)
+class _Output:
+    job_index: int
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class _Finished:
+    job_index: int
+
+
+@dataclass(frozen=True)
+class _Failed:
+    job_index: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    pass
+
+
+_Item = _Output | _Finished | _Failed | _AbortAll
+
+
+async def generate_all(engine: ServingEngine, jobs: Sequence[GenerationJob],
+                       abort_all: asyncio.Event) -> AsyncIterator[GenerationUpdate]:
+    queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    async def pump(index: int, job: GenerationJob) -> None:
+        try:
+            async for output in engine.generate(job.prompt_token_ids, job.params, job.request_id):
+                queue.put_nowait(_Output(index, output))
+        except Exception as error:  # EngineDeadError and anything else: the consumer decides
+            queue.put_nowait(_Failed(index, error))
+        else:
+            queue.put_nowait(_Finished(index))
+
+    async def watch_abort() -> None:
+        await abort_all.wait()
+        queue.put_nowait(_AbortAll())
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    watcher = asyncio.create_task(watch_abort())
+    last: dict[int, RequestOutput] = {}
+    remaining = set(range(len(jobs)))
+    try:
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, _Output):
+                last[item.job_index] = item.output
+                yield GenerationUpdate(item.job_index, item.output)
+            elif isinstance(item, _Finished):
+                remaining.discard(item.job_index)
+            elif isinstance(item, _Failed):
+                raise item.error
+            else:
+                await _cancel(tasks)
+                for index in sorted(remaining):
+                    yield GenerationUpdate(index, aborted_output(jobs[index], last.get(index)))
+                remaining.clear()
+    finally:
+        watcher.cancel()
+        await _cancel(tasks)
+
+
+async def collect_final(engine: ServingEngine, jobs: Sequence[GenerationJob],
+                        abort_all: asyncio.Event) -> list[RequestOutput]:
+    """The final output of each job, in job order (for non-streaming responses)."""
+    final: dict[int, RequestOutput] = {}
+    async with aclosing(generate_all(engine, jobs, abort_all)) as updates:
+        async for update in updates:
+            final[update.job_index] = update.output
+    return [final[i] if i in final else aborted_output(job, None) for i, job in enumerate(jobs)]
+
+
+def aborted_output(job: GenerationJob, last: RequestOutput | None) -> RequestOutput:
+    """The final output of a request the server stopped: what was generated so far, with every
+    unfinished completion marked "abort"."""
+    if last is None:
+        completions = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(job.params.n)]
+        last = RequestOutput(request_id=job.request_id, prompt=job.prompt_text,
+                             prompt_token_ids=job.prompt_token_ids, outputs=completions, finished=False)
+    completions = [c if c.finished else replace(c, finish_reason=FinishReason.ABORT.value) for c in last.outputs]
+    return replace(last, outputs=completions, finished=True)
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    # Waiting lets each engine.generate run its abort before we report the request as gone.
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,43 @@
+"""The HTTP server's own settings (the engine's live in `EngineConfig`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvserve.engine.config import ConfigError
+from kvserve.server.limits import ServerLimits
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port (tests)
+    api_key: str | None = None
+    # Sequences (prompts x n) allowed to wait beyond the engine's max_num_seqs running slots;
+    # past that, new requests get 503 + Retry-After instead of piling up unbounded latency.
+    max_queued_requests: int = 256
+    shutdown_grace_period: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    retry_after_s: int = 1
+    log_level: str = "info"
+    limits: ServerLimits = field(default_factory=ServerLimits)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("--port", f"--port must be in [0, 65535], got {self.port}")
+        if not self.host:
+            raise ConfigError("--host", "--host must not be empty (use 0.0.0.0 to listen on all interfaces)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key", "--api-key must not be empty or blank; omit it to disable auth")
+        if self.max_queued_requests < 0:
+            raise ConfigError("--max-queued-requests",
+                              f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if not math.isfinite(self.shutdown_grace_period) or self.shutdown_grace_period < 0:
+            raise ConfigError("--shutdown-grace-period",
+                              f"--shutdown-grace-period must be >= 0 seconds, got {self.shutdown_grace_period}")
+        if self.retry_after_s < 1:
+            raise ConfigError("--retry-after", f"Retry-After must be at least 1 second, got {self.retry_after_s}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("--log-level", f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

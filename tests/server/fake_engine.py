@@ -1,0 +1,146 @@
+"""A deterministic stand-in for `AsyncEngine`: byte-level tokens, letters as output, optional
+per-step delay, a gate to hold generation, and failure injection. It records which requests were
+started, finished and aborted, so tests can assert that a disconnect aborts its request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from kvserve.engine.chat_template import ChatTemplateError
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.scheduler.output import TokenLogprobs
+from kvserve.scheduler.sampling_params import SamplingParams
+
+MODEL = "fake-model"
+
+
+class EngineDeadError(RuntimeError):
+    """Stands in for kvserve.engine.EngineDeadError: the server treats any failure of a dead
+    engine the same way, so the fake does not need to import the real engine's modules."""
+
+
+class FakeTokenizer:
+    """Token id = UTF-8 byte + 1; id 0 is EOS (never generated)."""
+
+    eos_token_id = 0
+    vocab_size = 300
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b + 1 for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - 1 for i in ids if 1 <= i <= 256).decode("utf-8", errors="replace")
+
+    def token_to_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if messages[-1]["role"] == "assistant" and add_generation_prompt:
+            raise ChatTemplateError("the last message is from the assistant")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def expected_token(prompt_ids: Sequence[int], step: int, completion: int) -> int:
+    """The fake model's output: a lowercase letter that depends on the prompt, step and index."""
+    return ord("a") + (sum(prompt_ids) + 7 * step + 3 * completion) % 26 + 1
+
+
+class FakeEngine:
+    def __init__(self, *, max_model_len: int = 128, max_num_seqs: int = 4, step_delay: float = 0.0,
+                 model: str = MODEL) -> None:
+        self.config = EngineConfig(model=model, max_num_seqs=max_num_seqs)
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.gate: asyncio.Event | None = None  # when set to an unset Event, steps wait for it
+        self.dead_error: BaseException | None = None
+        self.started: list[str] = []
+        self.finished: list[str] = []
+        self.aborted: list[str] = []
+        self.active: set[str] = set()
+        self.abort_calls: list[str] = []
+        self.running = False
+        # What the start-up summary reads.
+        self.num_kv_blocks = 64
+        self.block_size = 16
+        self.kv_cache_bytes = 64 * 16 * 1024
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.active)
+
+    def start(self) -> None:
+        self.running = True
+
+    def shutdown(self) -> None:
+        self.running = False
+
+    def fail(self, error: BaseException) -> None:
+        self.dead_error = error
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
+                       *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.dead_error}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = sampling_params
+        assert params.max_tokens is not None and len(ids) + params.max_tokens <= self.max_model_len
+        self.started.append(request_id)
+        self.active.add(request_id)
+        tokens: list[list[int]] = [[] for _ in range(params.n)]
+        texts = [""] * params.n
+        reasons: list[str | None] = [None] * params.n
+        stop_reasons: list[str | None] = [None] * params.n
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(params.n)]
+        completed = False
+        try:
+            for step in range(params.max_tokens):
+                await asyncio.sleep(self.step_delay)
+                if self.gate is not None:
+                    await self.gate.wait()
+                if self.dead_error is not None:
+                    raise EngineDeadError(f"the engine failed: {self.dead_error}")
+                for c in range(params.n):
+                    if reasons[c] is not None:
+                        continue
+                    token = expected_token(ids, step, c)
+                    tokens[c].append(token)
+                    if params.logprobs is not None:
+                        top = [(token, -0.25)] + [(ord("A") + k + 1, -2.0 - k) for k in range(params.logprobs)]
+                        logprobs[c].append(TokenLogprobs(token, -0.25, 1, top[: params.logprobs]))
+                    text = self.tokenizer.decode(tokens[c])
+                    hit = next((s for s in params.stop if s in text), None)
+                    if hit is not None:
+                        text = text[: text.index(hit)] + (hit if params.include_stop_str_in_output else "")
+                        reasons[c], stop_reasons[c] = "stop", hit
+                    elif len(tokens[c]) == params.max_tokens:
+                        reasons[c] = "length"
+                    texts[c] = text
+                done = all(r is not None for r in reasons)
+                yield RequestOutput(
+                    request_id=request_id, prompt=None, prompt_token_ids=ids, finished=done, num_cached_tokens=0,
+                    outputs=[CompletionOutput(index=c, text=texts[c], token_ids=list(tokens[c]),
+                                              finish_reason=reasons[c], stop_reason=stop_reasons[c],
+                                              logprobs=list(logprobs[c]) if params.logprobs is not None else None)
+                             for c in range(params.n)])
+                if done:
+                    completed = True
+                    return
+        finally:
+            self.active.discard(request_id)
+            (self.finished if completed else self.aborted).append(request_id)

@@ -1,0 +1,109 @@
+"""The bad-input battery: each case gets the right status and an OpenAI error body naming the
+problem, and the server stays healthy and correct afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.fake_engine import MODEL
+
+pytestmark = pytest.mark.anyio
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (id, path, json body, expected status, expected param)
+CASES = [
+    ("missing prompt", C, {"model": MODEL}, 400, "prompt"),
+    ("prompt wrong type", C, {"prompt": 5}, 400, "prompt"),
+    ("empty prompt list", C, {"prompt": []}, 400, "prompt"),
+    ("empty string prompt", C, {"prompt": ""}, 400, "prompt"),
+    ("token id outside vocab", C, {"prompt": [1, 99999]}, 400, "prompt"),
+    ("negative token id", C, {"prompt": [-1]}, 400, "prompt"),
+    ("max_tokens zero", C, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens string", C, {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+    ("temperature negative", C, {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("top_p zero", C, {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("top_k negative", C, {"prompt": "a", "top_k": -5}, 400, "top_k"),
+    ("min_p above one", C, {"prompt": "a", "min_p": 1.5}, 400, "min_p"),
+    ("n zero", C, {"prompt": "a", "n": 0}, 400, "n"),
+    ("presence_penalty out of range", C, {"prompt": "a", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("frequency_penalty out of range", C, {"prompt": "a", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("repetition_penalty zero", C, {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("logit_bias key not a token", C, {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("logit_bias value too big", C, {"prompt": "a", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("logprobs negative", C, {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
+    ("empty stop string", C, {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("min_tokens above max_tokens", C, {"prompt": "a", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
+    ("unsupported suffix", C, {"prompt": "a", "suffix": "z"}, 400, "suffix"),
+    ("unsupported best_of", C, {"prompt": "a", "best_of": 3}, 400, "best_of"),
+    ("unknown field", C, {"prompt": "a", "frobnicate": True}, 400, "frobnicate"),
+    ("echo with logprobs", C, {"prompt": "a", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("prompt longer than context", C, {"prompt": "x" * 200}, 400, "prompt"),
+    ("prompt plus max_tokens beyond context", C, {"prompt": "x" * 100, "max_tokens": 50}, 400, "max_tokens"),
+    ("unknown model", C, {"model": "gpt-9", "prompt": "a"}, 404, "model"),
+    ("bad stream_options", C, {"prompt": "a", "stream": True, "stream_options": {"x": 1}}, 400, "stream_options.x"),
+    ("chat without messages", CHAT, {"model": MODEL}, 400, "messages"),
+    ("chat empty messages", CHAT, {"messages": []}, 400, "messages"),
+    ("chat bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat image content", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ("chat template refuses", CHAT, {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
+    ("chat top_logprobs without logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat tools", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat max_completion_tokens beyond context", CHAT, {"messages": USER, "max_completion_tokens": 1000}, 400,
+     "max_completion_tokens"),
+    ("tokenize neither prompt nor messages", "/tokenize", {}, 400, "prompt"),
+    ("detokenize bad ids", "/detokenize", {"tokens": [100000]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+async def test_bad_input_answers_with_openai_error(client: httpx.AsyncClient, path: str, body: dict, status: int,
+                                                   param: str) -> None:
+    response = await client.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert len(error["message"]) > 10
+    await assert_healthy(client)
+
+
+@pytest.mark.parametrize(("content", "content_type"), [
+    (b"{not json", "application/json"),
+    (b'{"prompt": "a"}', "text/plain"),
+    (b'["a", "list"]', "application/json"),
+    (b"\xff\xfe", "application/json"),
+], ids=["malformed json", "wrong content type", "not an object", "not utf-8"])
+async def test_malformed_bodies_get_400(client: httpx.AsyncClient, content: bytes, content_type: str) -> None:
+    response = await client.post(C, content=content, headers={"content-type": content_type})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    await assert_healthy(client)
+
+
+async def test_context_errors_give_both_numbers(client: httpx.AsyncClient) -> None:
+    error = (await client.post(C, json={"prompt": "x" * 100, "max_tokens": 50})).json()["error"]
+    assert "128" in error["message"] and "150" in error["message"] and "100" in error["message"]
+
+
+async def test_unknown_route_and_method(client: httpx.AsyncClient) -> None:
+    missing = await client.get("/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong = await client.get(C)
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+async def test_harmless_values_of_unsupported_fields_are_accepted(client: httpx.AsyncClient) -> None:
+    response = await client.post(C, json={"prompt": "a", "max_tokens": 1, "best_of": 1, "suffix": None,
+                                          "user": "me", "logprobs": None})
+    assert response.status_code == 200
+
+
+async def assert_healthy(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/health")).status_code == 200
+    good = await client.post(C, json={"prompt": "ok", "max_tokens": 2})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
