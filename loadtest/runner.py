@@ -8,6 +8,7 @@ in flight are cancelled and counted, not silently dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -95,13 +96,7 @@ async def _measure(
 
     async def one(request: BenchRequest) -> RequestRecord:
         nonlocal in_flight
-        if limit is None:
-            in_flight += 1
-            try:
-                return await send_request(http, endpoint, request)
-            finally:
-                in_flight -= 1
-        async with limit:
+        async with limit or contextlib.nullcontext():
             in_flight += 1
             try:
                 return await send_request(http, endpoint, request)
