@@ -15,6 +15,23 @@ from kvserve.kernels.validation import FP8_KV_DTYPE, KernelInputError, check_wri
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """Round fp32 to the nearest e4m3 value (ties to even), still in fp32, so the final cast is
+    exact. Doing the rounding ourselves makes the result independent of the conversion used:
+    Triton's interpreter (3.9) drops the exponent carry when a mantissa rounds up (1.97 -> 1.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal range: keep 3 of fp32's 23 mantissa bits; the bias rounds to nearest, ties to even,
+    # and a carry out of the mantissa correctly bumps the exponent.
+    bias = 0x7FFFF + ((bits >> 20) & 1)
+    normal = ((bits + bias) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
+    # Subnormal range (|x| < 2^-6) is a fixed grid of 2^-9: adding 1.5 * 2^14 leaves fp32 an ulp
+    # of exactly 2^-9, so the hardware's round-to-nearest-even does the work.
+    magic = 24576.0
+    subnormal = (x + magic) - magic
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     k_scale, v_scale,
@@ -22,13 +39,15 @@ def _write_kv_kernel(
     stride_cb, stride_ch, stride_cs,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding row
+        return
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = (slot >= 0) & (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     cache_offsets = block * stride_cb + heads[:, None] * stride_ch + offset * stride_cs + dims[None, :]
@@ -37,9 +56,9 @@ def _write_kv_kernel(
     value = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
     key = key.to(tl.float32) / k_scale
     value = value.to(tl.float32) / v_scale
-    if SATURATE:  # e4m3fn has no inf: clamp so an outlier saturates instead of becoming NaN
-        key = tl.clamp(key, -FP8_MAX, FP8_MAX)
-        value = tl.clamp(value, -FP8_MAX, FP8_MAX)
+    if IS_FP8:  # e4m3fn has no inf: clamp so an outlier saturates instead of becoming NaN
+        key = _round_to_e4m3(tl.clamp(key, -FP8_MAX, FP8_MAX))
+        value = _round_to_e4m3(tl.clamp(value, -FP8_MAX, FP8_MAX))
     tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -75,5 +94,5 @@ def triton_write_kv_cache(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, SATURATE=key_cache.dtype == FP8_KV_DTYPE, FP8_MAX=FP8_E4M3_MAX,
+        BLOCK_SIZE=block_size, IS_FP8=key_cache.dtype == FP8_KV_DTYPE, FP8_MAX=FP8_E4M3_MAX,
     )

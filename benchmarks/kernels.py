@@ -1,0 +1,151 @@
+"""Decode attention: the paged kernels next to SDPA on contiguous K/V of the same size.
+
+    python benchmarks/kernels.py            # CUDA if present, else CPU
+    python benchmarks/kernels.py --device cpu
+
+CUDA: Triton paged decode (bf16 and fp8 KV) at batch {1,16,64,256} x context {512,4096,32768}
+for a Llama-3-8B-like layer (32 query heads, 8 KV heads, head_dim 128, block 16), reporting the
+achieved bandwidth (KV bytes read / time) and its share of the device's peak.
+CPU: the torch path for batched decode at SmolLM2-135M's shape (9 query heads, 3 KV heads,
+head_dim 64), next to SDPA on contiguous K/V and to a per-request loop over the same path (what
+batching the decode rows buys).
+Every paged case scatters its blocks in a random order, as a long-running server would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import FP8_KV_DTYPE, paged_attention
+
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM bandwidth by device name
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+    def kv_bytes(self, element_size: int) -> int:
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * element_size
+
+
+def make_paged_decode(shape: DecodeShape, dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
+    blocks_per_seq = shape.context // shape.block_size
+    num_blocks = shape.batch * blocks_per_seq
+    cache_shape = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
+    key_cache = torch.randn(cache_shape, dtype=dtype, device=device).to(kv_dtype)
+    value_cache = torch.randn(cache_shape, dtype=dtype, device=device).to(kv_dtype)
+    block_tables = torch.randperm(num_blocks, device=device).view(shape.batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(shape.batch + 1, dtype=torch.int32, device=device)
+    query = torch.randn(shape.batch, shape.num_heads, shape.head_dim, dtype=dtype, device=device)
+    return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, shape.head_dim**-0.5
+
+
+def make_contiguous_sdpa(shape: DecodeShape, dtype: torch.dtype, device: str) -> Callable[[], torch.Tensor]:
+    # GQA as SDPA sees it without repeating K/V: a KV head's query heads become its query rows.
+    group = shape.num_heads // shape.num_kv_heads
+    q = torch.randn(shape.batch, shape.num_kv_heads, group, shape.head_dim, dtype=dtype, device=device)
+    k = torch.randn(shape.batch, shape.num_kv_heads, shape.context, shape.head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    return lambda: F.scaled_dot_product_attention(q, k, v)
+
+
+def cpu_time_ms(fn: Callable[[], object], min_seconds: float = 0.3) -> float:
+    """The fastest of repeated runs: on a CPU shared with other work the minimum is the cost of
+    the code, while the median mostly measures the neighbours."""
+    fn()  # warm-up
+    samples = []
+    deadline = time.perf_counter() + min_seconds
+    while time.perf_counter() < deadline or len(samples) < 3:
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return min(samples)
+
+
+def run_cpu(dtypes: list[torch.dtype]) -> None:
+    print(f"CPU, {torch.get_num_threads()} threads: batched decode, torch paged path vs SDPA on contiguous K/V")
+    print("9 q heads / 3 KV heads / head_dim 64 / block 16 (SmolLM2-135M, one layer)")
+    print(f"{'dtype':>9} {'batch':>5} {'ctx':>5} | {'paged ms':>9} {'per-req loop ms':>15} {'SDPA ms':>8} | {'paged/SDPA':>10} {'loop/paged':>10}")
+    for dtype in dtypes:
+        for batch in (1, 8, 32):
+            for context in (128, 512, 2048):
+                shape = DecodeShape(batch, context, 9, 3, 64)
+                args = make_paged_decode(shape, dtype, dtype, "cpu")
+                query, key_cache, value_cache, block_tables, seq_lens, starts, scale = args
+                paged = cpu_time_ms(lambda: paged_attention(*args, max_query_len=1, max_seq_len=context))
+                one = torch.tensor([0, 1], dtype=torch.int32)
+
+                def per_request_loop() -> None:
+                    for i in range(batch):
+                        paged_attention(query[i : i + 1], key_cache, value_cache, block_tables[i : i + 1], seq_lens[i : i + 1], one, scale,
+                                        max_query_len=1, max_seq_len=context)
+
+                loop = cpu_time_ms(per_request_loop)
+                sdpa = cpu_time_ms(make_contiguous_sdpa(shape, dtype, "cpu"))
+                name = str(dtype).removeprefix("torch.")
+                print(f"{name:>9} {batch:>5} {context:>5} | {paged:>9.3f} {loop:>15.3f} {sdpa:>8.3f} | {paged / sdpa:>10.2f} {loop / paged:>10.2f}")
+
+
+def run_cuda(peak_gbps: float | None) -> None:
+    import triton.testing
+
+    from kvserve.kernels.triton_attention import triton_paged_attention
+
+    name = torch.cuda.get_device_name()
+    peak = peak_gbps or next((gbps for key, gbps in PEAK_GBPS.items() if key in name), None)
+    print(f"{name}: decode, 32 q heads / 8 KV heads / head_dim 128 / block 16, bf16 queries; GB/s = KV bytes read / time")
+    print(f"peak HBM bandwidth assumed: {peak or 'unknown (pass --peak-gbps)'} GB/s")
+    header = f"{'batch':>5} {'ctx':>6} | {'triton bf16 us':>14} {'GB/s':>7} {'%peak':>6} | {'triton fp8 us':>13} {'GB/s':>7} {'%peak':>6} | {'SDPA us':>8} {'GB/s':>7} {'%peak':>6}"
+    print(header)
+
+    def pct(gbps: float) -> str:
+        return f"{100 * gbps / peak:>5.1f}%" if peak else f"{'-':>6}"
+
+    for batch in (1, 16, 64, 256):
+        for context in (512, 4096, 32768):
+            shape = DecodeShape(batch, context, 32, 8, 128)
+            cells = []
+            for kv_dtype in (torch.bfloat16, FP8_KV_DTYPE):
+                args = make_paged_decode(shape, torch.bfloat16, kv_dtype, "cuda")
+                seconds = triton.testing.do_bench(lambda: triton_paged_attention(*args, max_query_len=1, max_seq_len=context)) * 1e-3
+                gbps = shape.kv_bytes(kv_dtype.itemsize) / seconds / 1e9
+                cells.append((seconds * 1e6, gbps))
+                del args
+                torch.cuda.empty_cache()
+            sdpa = make_contiguous_sdpa(shape, torch.bfloat16, "cuda")
+            seconds = triton.testing.do_bench(sdpa) * 1e-3
+            cells.append((seconds * 1e6, shape.kv_bytes(2) / seconds / 1e9))
+            del sdpa
+            torch.cuda.empty_cache()
+            (t_bf16, g_bf16), (t_fp8, g_fp8), (t_sdpa, g_sdpa) = cells
+            print(f"{batch:>5} {context:>6} | {t_bf16:>14.1f} {g_bf16:>7.0f} {pct(g_bf16)} | {t_fp8:>13.1f} {g_fp8:>7.0f} {pct(g_fp8)} | {t_sdpa:>8.1f} {g_sdpa:>7.0f} {pct(g_sdpa)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, if not an H100/H200/A100")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="CPU only: comma-separated query/KV dtypes")
+    args = parser.parse_args()
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    if device == "cuda":
+        run_cuda(args.peak_gbps)
+    else:
+        run_cpu([{"float32": torch.float32, "bfloat16": torch.bfloat16}[d] for d in args.dtypes.split(",")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Backend choice: auto picks by device, a forced choice is honoured or refused with a reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kernels import TorchAttentionBackend, TritonAttentionBackend, select_attention_backend
+from tests.kernels.paged_batch import MIXED_QUERY_LENS, MIXED_SEQ_LENS, TOLERANCES, dense_attention, make_batch
+
+
+def test_auto_picks_torch_on_cpu() -> None:
+    assert select_attention_backend("auto", torch.device("cpu")) == TorchAttentionBackend()
+
+
+@pytest.mark.gpu
+def test_auto_picks_triton_on_cuda() -> None:
+    assert select_attention_backend("auto", torch.device("cuda")).name == "triton"
+
+
+def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="--attention-backend torch"):
+        select_attention_backend("triton", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_attention_backend("triton", torch.device("cpu"), debug=True) == TritonAttentionBackend(debug=True)
+
+
+def test_unknown_backend_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="auto, torch, triton"):
+        select_attention_backend("flash", torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
+@pytest.mark.parametrize("backend", [TorchAttentionBackend(), TritonAttentionBackend(debug=True)], ids=lambda b: b.name)
+def test_backends_write_then_attend_like_dense(backend) -> None:
+    reference = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, group=3)
+    key_cache, value_cache = torch.zeros_like(reference.key_cache), torch.zeros_like(reference.value_cache)
+    # Write every request's K/V through the backend, into the same slots the reference used.
+    block_size = key_cache.shape[2]
+    for i, (k, v) in enumerate(zip(reference.dense_keys, reference.dense_values, strict=True)):
+        positions = torch.arange(k.shape[0])
+        slots = reference.block_tables[i, positions // block_size].long() * block_size + positions % block_size
+        backend.write_kv_cache(k, v, key_cache, value_cache, slots)
+    out = backend.paged_attention(
+        reference.query, key_cache, value_cache, reference.block_tables, reference.seq_lens, reference.query_start_loc,
+        reference.scale, max_query_len=16, max_seq_len=200,
+    )
+    torch.testing.assert_close(out, dense_attention(reference), **TOLERANCES[torch.float32])
