@@ -84,9 +84,10 @@ class Scheduler:
                 f"request {request.request_id!r} has {request.num_tokens} prompt tokens but max_model_len is "
                 f"{max_len}; shorten the prompt or raise max_model_len"
             )
+        held = self._siblings.hold(request)  # raises before changing anything
         self._requests[request.request_id] = request
         self._order_keys[request.request_id] = order_key(self.config.policy, request, next(self._sequence))
-        if not self._siblings.hold(request):
+        if not held:
             self._push_waiting(request)
 
     def finish_requests(
@@ -251,9 +252,16 @@ class Scheduler:
         return updates
 
     def _fork_siblings(self, leader: Request) -> None:
-        """Siblings share the blocks of the leader's first prompt_len - 1 positions and compute
-        the last prompt token themselves: their first step samples their own first token, and
-        the allocator copies the shared partial block on write."""
+        """Siblings share the blocks of the leader's first P - 1 positions (P = prompt length)
+        and compute the last prompt token themselves, so their first step samples their own
+        first token with their own seed:
+
+            position   0 .. P-2        P-1                         P ..
+            leader     computed        computed, samples output 0  its outputs
+            sibling    shared (fork)   recomputed, samples its 0   its own outputs
+
+        Whoever first writes into a still-shared partial block gets a copy (allocate_slots
+        queues the copy-on-write pair; it reaches the runner as blocks_to_copy)."""
         num_shared = leader.num_prompt_tokens - 1
         for sibling in self._siblings.take_held(leader):
             if num_shared == 0 or len(self._running) >= self.config.max_num_seqs:

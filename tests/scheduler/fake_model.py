@@ -20,17 +20,19 @@ def kv_state(previous: int, token_id: int, position: int) -> int:
     return hash((previous, token_id, position))
 
 
-def next_token(states: list[int], vocab_size: int) -> int:
-    return hash(tuple(states)) % vocab_size
+def next_token(states: list[int], seed: int, vocab_size: int) -> int:
+    # The request's seed stands in for its sampler: n > 1 siblings (distinct seeds) diverge, so a
+    # block they wrongly share after the fork shows up in their outputs.
+    return hash((seed, *states)) % vocab_size
 
 
-def reference_next_token(history: list[int], vocab_size: int) -> int:
+def reference_next_token(history: list[int], vocab_size: int, seed: int = 0) -> int:
     """What the fake model samples after `history`, computed without any cache."""
     states, state = [], ROOT_STATE
     for position, token_id in enumerate(history):
         state = kv_state(state, token_id, position)
         states.append(state)
-    return next_token(states, vocab_size)
+    return next_token(states, seed, vocab_size)
 
 
 class FakeModelRunner:
@@ -54,7 +56,7 @@ class FakeModelRunner:
             if scheduled.samples:
                 states = [self._read(scheduled.block_ids, p) for p in range(scheduled.seq_len)]
                 request_ids.append(scheduled.request_id)
-                token_ids.append(next_token(states, self.vocab_size))
+                token_ids.append(next_token(states, scheduled.seed, self.vocab_size))
         return ModelRunnerOutput(request_ids, token_ids, [None] * len(request_ids))
 
     def _read(self, block_ids: list[int], position: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from kvserve.paging import KVCacheManager
@@ -29,12 +30,14 @@ def make_request(
     eos: int | None = EOS,
     parent_id: str | None = None,
     index: int = 0,
+    seed: int = 0,
     max_model_len: int = 2**31 - 1,
     **params: object,
 ) -> Request:
     """`prompt` is token ids, or a length (tokens derived from the id, so prompts differ)."""
     if isinstance(prompt, int):
-        prompt = [(hash(request_id) + i) % VOCAB_SIZE for i in range(prompt)]
+        start = zlib.crc32(request_id.encode())  # stable across runs, unlike hash(str)
+        prompt = [(start + i) % VOCAB_SIZE for i in range(prompt)]
     params.setdefault("max_tokens", 4)
     params.setdefault("ignore_eos", False)
     return Request(
@@ -46,6 +49,7 @@ def make_request(
         priority=priority,
         parent_id=parent_id,
         index=index,
+        seed=seed,
         max_model_len=max_model_len,
     )
 
