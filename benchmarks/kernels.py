@@ -139,7 +139,10 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, if not an H100/H200/A100")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="CPU only: comma-separated query/KV dtypes")
+    parser.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (1 is steadier on a busy machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     if device == "cuda":
         run_cuda(args.peak_gbps)

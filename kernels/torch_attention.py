@@ -30,6 +30,8 @@ from kvserve.kernels.validation import (
     check_write_values,
 )
 
+GATHER_BUDGET_BYTES = 4 << 20  # gathered K+V per decode slice: about an L2-sized working set
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -122,10 +124,33 @@ def _decode_batch(
     max_seq_len: int | None,
 ) -> None:
     num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    longest = int(seq_lens[seqs].max()) if max_seq_len is None else max_seq_len
+    # Gathered K+V per request; batches whose gathered context would spill out of the CPU caches
+    # run in slices (measured: one 50 MB gather was slower than a per-request loop).
+    per_request = 2 * num_kv_heads * longest * head_dim * query.element_size()
+    slice_size = max(1, GATHER_BUDGET_BYTES // per_request)
+    for first in range(0, seqs.shape[0], slice_size):
+        _decode_slice(out, query, key_cache, value_cache, block_tables, seq_lens[seqs[first : first + slice_size]],
+                      seqs[first : first + slice_size], rows[first : first + slice_size], score_scale, out_scale, longest)
+
+
+def _decode_slice(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    seqs: torch.Tensor,
+    rows: torch.Tensor,
+    score_scale: float,
+    out_scale: float,
+    longest: int,
+) -> None:
+    num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
-    lens = seq_lens[seqs].long()
-    longest = int(lens.max()) if max_seq_len is None else max_seq_len
+    lens = lens.long()
     num_blocks = (longest + block_size - 1) // block_size
     tables = block_tables[seqs, :num_blocks].long()
     # Entries past a sequence's last block are padding (possibly -1): point them at block 0; the
