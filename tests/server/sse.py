@@ -7,7 +7,7 @@ from typing import Any
 
 
 def parse_sse(body: str) -> list[dict[str, Any]]:
-    events = [e for e in body.split("\n\n") if e]
+    events = [e.strip("\n") for e in body.split("\n\n") if e.strip("\n")]
     assert events[-1] == "data: [DONE]", f"stream must end with [DONE], got {events[-1]!r}"
     chunks = []
     for event in events[:-1]:
