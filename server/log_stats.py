@@ -69,7 +69,9 @@ class LogStats:
     def on_step(self, stats: StepStats) -> None:
         with self._lock:
             now = self._clock()
-            if self._last_step is not None and now - self._last_step[0] > self.interval_s:
+            # Idle time is the gap between the previous step's end and this step's start: a step
+            # longer than the interval (a big prefill on a slow CPU) is busy time, not idleness.
+            if self._last_step is not None and now - stats.duration_s - self._last_step[0] > self.interval_s:
                 # The engine was idle: close the previous burst at its own last step.
                 last_time, last_stats = self._last_step
                 self._flush(last_stats, last_time)

@@ -81,13 +81,18 @@ class ServerMetrics:
         self._define_engine_metrics()
         self._define_request_metrics()
         self._define_http_metrics()
-        config_info = Info(
+        self._config_info = Info(
             "kvserve_cache_config",
             "Cache and model configuration (block size, number of blocks, dtypes, model, max_model_len, prefix caching).",
             labelnames=["model_name"],
             registry=self.registry,
-        )
-        config_info.labels(model_name).info({key: str(value) for key, value in info.items()})
+        ).labels(model_name)
+        self.set_config_info(info)
+
+    def set_config_info(self, info: Mapping[str, str]) -> None:
+        """Replace the info metric's labels: the server knows the resolved values (number of KV
+        blocks, the dtype "auto" chose) only once the model has loaded, after construction."""
+        self._config_info.info({key: str(value) for key, value in info.items()})
 
     def _define_engine_metrics(self) -> None:
         labels = ["model_name"]

@@ -111,6 +111,17 @@ def test_a_burst_cut_short_by_an_idle_gap_is_logged_over_its_own_span(stats_log:
     assert "prompt 100.0 tok/s, generation 10.0 tok/s" in info[0]  # 200 + 20 tokens over 2 s
 
 
+def test_steps_longer_than_the_interval_are_busy_time_not_idle_gaps(stats_log: LogStats, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    for duration in (1.0, 6.0, 6.0):  # back to back: busy all along (a slow CPU prefill)
+        clock.now += duration
+        stats_log.on_step(busy_step(duration_s=duration))
+    info = lines(caplog, logging.INFO)
+    assert len(info) == 2  # one per interval crossed, no line split off by a mistaken idle gap
+    assert "prompt 28.6 tok/s" in info[0]  # 200 tokens over the first 7 s
+    assert "prompt 16.7 tok/s" in info[1]  # 100 tokens over the next 6 s
+
+
 def test_preemption_warning_names_the_settings_and_is_rate_limited(stats_log: LogStats, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
     clock.now += 1.0

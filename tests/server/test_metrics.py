@@ -136,6 +136,13 @@ def test_info_metric_carries_the_configuration(metrics: ServerMetrics) -> None:
     assert value(metrics, "kvserve_cache_config_info", **INFO) == 1
 
 
+def test_config_info_can_be_replaced_once_the_model_has_loaded(metrics: ServerMetrics) -> None:
+    resolved = {**INFO, "num_blocks": "4096", "dtype": "bfloat16"}
+    metrics.set_config_info(resolved)
+    assert value(metrics, "kvserve_cache_config_info", **resolved) == 1
+    assert metrics.registry.get_sample_value("kvserve_cache_config_info", {"model_name": MODEL, **INFO}) is None
+
+
 def test_http_and_error_counters(metrics: ServerMetrics) -> None:
     metrics.observe_http("/v1/completions", "post", 200, 0.3)
     metrics.observe_http("/v1/completions", "POST", 200, 0.7)
