@@ -21,7 +21,7 @@ from kvserve.engine.model_source import ModelSource, resolve_model
 from kvserve.engine.tokenizer import Tokenizer
 from kvserve.kernels import select_attention_backend
 from kvserve.paging import KVCacheManager
-from kvserve.paging.kv_sizing import check_max_model_len_fits
+from kvserve.paging.kv_sizing import ModelShape, plan_num_kv_blocks
 from kvserve.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -59,14 +59,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"{model_config.max_position_embeddings}",
         )
     kv_dtype = dtype
-    dtype_bytes = torch.empty((), dtype=kv_dtype).element_size()
-    block_bytes = model_config.kv_bytes_per_token(dtype_bytes) * config.block_size
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    else:
-        budget = config.kv_cache_memory or default_kv_cache_bytes(device)
-        num_blocks = budget // block_bytes
-    check_max_model_len_fits(num_blocks, config.block_size, max_model_len)
+    shape = ModelShape(config.model, model_config.num_layers, model_config.num_heads,
+                       model_config.num_kv_heads, model_config.head_dim)
+    kv_dtype_name = str(kv_dtype).removeprefix("torch.")
+    num_blocks = plan_num_kv_blocks(
+        shape, kv_dtype_name, config.block_size, max_model_len,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=None if config.num_kv_blocks is not None else (config.kv_cache_memory or default_kv_cache_bytes(device)),
+    )
+    block_bytes = shape.bytes_per_block(kv_dtype_name, config.block_size)
 
     attention = select_attention_backend(config.attention_backend, device)
     kv_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size, dtype=kv_dtype)

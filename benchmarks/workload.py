@@ -1,0 +1,34 @@
+"""The fixed workload every throughput comparison uses (issue 5 / issue 8):
+seed 0, 64 requests, prompts of 16-256 random token ids, outputs of 16-256 tokens, EOS ignored."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def fixed_workload(
+    num_requests: int = 64,
+    prompt_len: tuple[int, int] = (16, 256),
+    output_len: tuple[int, int] = (16, 256),
+    vocab_size: int = 49152,
+    seed: int = 0,
+    first_token_id: int = 17,  # skip SmolLM2's 17 control tokens
+) -> list[WorkItem]:
+    rng = random.Random(seed)
+    items = []
+    for _ in range(num_requests):
+        n_prompt = rng.randint(*prompt_len)
+        items.append(
+            WorkItem(
+                prompt_token_ids=[rng.randrange(first_token_id, vocab_size) for _ in range(n_prompt)],
+                output_len=rng.randint(*output_len),
+            )
+        )
+    return items
