@@ -7,6 +7,8 @@ now), and a live `kvserve serve` started from the Dockerfile's command after rea
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -58,3 +60,13 @@ def _generation_tokens(base_url: str, model: str) -> float:
             if sample.name == "kvserve_generation_tokens_total" and sample.labels.get("model_name") == model:
                 return sample.value
     raise AssertionError(f"/metrics has no kvserve_generation_tokens_total for model {model!r}")
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool absent: apt-get install prometheus")
+def test_promtool_check_metrics_reports_nothing_on_a_live_scrape(image_server: RunningServer) -> None:
+    httpx.get(f"{image_server.base_url}/no-such-route", timeout=10.0)  # an error series too
+    response = httpx.get(f"{image_server.base_url}/metrics", timeout=10.0)
+    assert response.status_code == 200
+    result = subprocess.run(["promtool", "check", "metrics"], input=response.content, capture_output=True, timeout=30)
+    report = (result.stdout + result.stderr).decode()
+    assert result.returncode == 0 and report.strip() == "", report
