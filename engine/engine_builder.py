@@ -19,7 +19,8 @@ from kvserve.engine.model_loader import load_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
 from kvserve.engine.model_source import ModelSource, resolve_model
 from kvserve.engine.tokenizer import Tokenizer
-from kvserve.kernels import select_attention_backend
+from kvserve.engine.scaled_kv_backend import ScaledKVBackend
+from kvserve.kernels import FP8_KV_DTYPE, select_attention_backend
 from kvserve.paging import KVCacheManager
 from kvserve.paging.kv_sizing import ModelShape, plan_num_kv_blocks
 from kvserve.scheduler import Scheduler, SchedulerConfig
@@ -58,10 +59,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"--max-model-len {max_model_len} exceeds the model's context length "
             f"{model_config.max_position_embeddings}",
         )
-    kv_dtype = dtype
+    kv_dtype = FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else dtype
     shape = ModelShape(config.model, model_config.num_layers, model_config.num_heads,
                        model_config.num_kv_heads, model_config.head_dim)
-    kv_dtype_name = str(kv_dtype).removeprefix("torch.")
+    kv_dtype_name = "fp8" if config.kv_cache_dtype == "fp8" else str(kv_dtype).removeprefix("torch.")
     num_blocks = plan_num_kv_blocks(
         shape, kv_dtype_name, config.block_size, max_model_len,
         num_kv_blocks=config.num_kv_blocks,
@@ -70,6 +71,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     block_bytes = shape.bytes_per_block(kv_dtype_name, config.block_size)
 
     attention = select_attention_backend(config.attention_backend, device)
+    if config.kv_cache_dtype == "fp8":
+        attention = ScaledKVBackend(attention)
     kv_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size, dtype=kv_dtype)
     runner = ModelRunner(model, model_config, kv_spec, attention, device, tokenizer.eos_token_id)
     kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -82,9 +85,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         kv_manager,
     )
     logger.info(
-        "model %s (%s) on %s in %s; KV cache: %d blocks of %d tokens, %.2f GiB",
-        config.model, model_config.architecture, device, str(dtype).removeprefix("torch."),
-        num_blocks, config.block_size, num_blocks * block_bytes / 2**30,
+        "model %s (%s) on %s in %s; KV cache (%s): %d blocks of %d tokens, %.2f GiB; attention: %s",
+        config.model, model_config.architecture, device, str(dtype).removeprefix("torch."), kv_dtype_name,
+        num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name,
     )
     return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len, source)
 
