@@ -100,6 +100,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, engine_f
     engine = loaded.result()
     engine.start()
     state.attach_engine(engine)
+    metrics.set_config_info(loaded_metrics_info(engine))
     print(startup_summary(engine, address), file=out, flush=True)
 
     await asyncio.wait({asyncio.create_task(stop.wait()), serve_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -149,15 +150,30 @@ def _address(server: uvicorn.Server, settings: ServerSettings) -> str:
 
 
 def metrics_info(config: EngineConfig) -> dict[str, str]:
+    """The cache/model info metric as configured; replaced by `loaded_metrics_info` once the
+    model has loaded and "auto" values are resolved."""
     return {
         "model": config.model,
-        "served_model_name": config.model_name,
         "dtype": config.dtype,
-        "kv_cache_dtype": config.kv_cache_dtype,
+        "kv_dtype": config.kv_cache_dtype,
         "block_size": str(config.block_size),
-        "max_model_len": str(config.max_model_len or "model default"),
-        "max_num_seqs": str(config.max_num_seqs),
-        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "num_blocks": str(config.num_kv_blocks or "auto"),
+        "max_model_len": str(config.max_model_len or "auto"),
+        "prefix_caching": str(config.enable_prefix_caching).lower(),
+    }
+
+
+def loaded_metrics_info(engine: AsyncEngine) -> dict[str, str]:
+    config = engine.config
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return {
+        "model": config.model,
+        "dtype": dtype,
+        "kv_dtype": "fp8" if config.kv_cache_dtype == "fp8" else dtype,
+        "block_size": str(engine.block_size),
+        "num_blocks": str(engine.num_kv_blocks),
+        "max_model_len": str(engine.max_model_len),
+        "prefix_caching": str(config.enable_prefix_caching).lower(),
     }
 
 
