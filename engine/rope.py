@@ -1,0 +1,87 @@
+"""Rotary position embeddings, rotate-half layout (as transformers; the GGUF loader undoes
+llama.cpp's interleaved permutation of Q/K so both formats use this one).
+
+Scaling follows transformers' definitions: linear (positions / factor), llama3 (per-frequency
+wavelength-dependent factors) and dynamic NTK. Dynamic NTK is computed *per token* from its own
+position: a token's key is cached once, so its rotation must not depend on what else is in the
+batch. This equals transformers' token-by-token decode exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvserve.engine.model_config import ModelConfig
+
+
+def base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_max_position_embeddings: int) -> torch.Tensor:
+    """Long wavelengths are divided by `factor`, short ones kept, those between interpolated."""
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin in float32 from integer positions, applied to q [T, H, D] and k [T, Hkv, D]."""
+
+    def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
+        """freq_factors: per-frequency divisors from a GGUF's `rope_freqs.weight` (llama.cpp's
+        encoding of llama3 scaling), applied on top of the config's scaling."""
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
+        self.max_position_embeddings = config.max_position_embeddings
+        scaling = dict(config.rope_scaling or {})
+        self.rope_type = scaling.pop("rope_type", "default")
+        self.factor = float(scaling.get("factor", 1.0))
+        inv_freq = base_inv_freq(config.head_dim, config.rope_theta)
+        if self.rope_type == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, self.factor, float(scaling["low_freq_factor"]),
+                                       float(scaling["high_freq_factor"]),
+                                       int(scaling["original_max_position_embeddings"]))
+        elif self.rope_type == "linear":
+            inv_freq = inv_freq / self.factor  # same as positions / factor, rounded as transformers does
+        if freq_factors is not None:
+            if freq_factors.shape != inv_freq.shape:
+                raise ValueError(f"rope frequency factors must have shape {tuple(inv_freq.shape)}, got {tuple(freq_factors.shape)}")
+            inv_freq = inv_freq / freq_factors.float().cpu()
+        # A buffer so that it follows .to(device); not persistent: it is derived from the config,
+        # and keeping it out of the state dict keeps it float32 when weights are bfloat16.
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _freqs(self, positions: torch.Tensor) -> torch.Tensor:  # [T, D/2] float32
+        pos = positions.float()
+        if self.rope_type == "dynamic":
+            # transformers: base *= (factor * L / max_pos - (factor - 1)) ** (D / (D - 2)), with
+            # L = max(seq_len, max_pos); per token, seq_len = position + 1.
+            length = torch.clamp(pos + 1, min=self.max_position_embeddings)
+            dim = self.head_dim
+            base = self.theta * (self.factor * length / self.max_position_embeddings - (self.factor - 1)) ** (dim / (dim - 2))
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=pos.device).float() / dim
+            inv_freq = 1.0 / base.unsqueeze(1) ** exponents.unsqueeze(0)
+            return pos.unsqueeze(1) * inv_freq
+        return torch.outer(pos, self.inv_freq.float())
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self._freqs(positions)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().unsqueeze(1).to(q.dtype)  # [T, 1, D]: broadcast over heads
+        sin = emb.sin().unsqueeze(1).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
