@@ -1,0 +1,114 @@
+"""`kvserve kv-size`: plan KV-cache memory before buying or booking a GPU.
+
+    kvserve kv-size --model llama-70b --tokens 4096 32768 --kv-dtype fp16 --memory 80GB
+
+Sizes are printed in GB (10^9 bytes, as papers and spec sheets print them) and GiB (2^30, as
+nvidia-smi and torch print them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvserve.paging.block_allocator import SUPPORTED_BLOCK_SIZES
+from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
+
+KV_DTYPE_CHOICES = ("fp32", "fp16", "bf16", "fp8", "int8")
+GB, GIB = 10**9, 2**30
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "kv-size",
+        help="print the KV cache size of a model at given context lengths",
+        description="KV bytes per token = 2 * layers * kv_heads * head_dim * dtype bytes. Prints the cache size "
+        "per context length and batch, the GQA/MQA saving, and with --memory how many blocks and requests fit.",
+    )
+    parser.add_argument("--model", required=True, help="a preset (gpt2, llama-7b, llama-70b, gpt3-175b, smollm2-135m) "
+                        "or a path to a config.json, an HF model folder or a .gguf file")  # fmt: skip
+    parser.add_argument("--tokens", type=_positive_int, nargs="+", required=True, metavar="N", help="context lengths (tokens per request)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="fp16", help="KV cache element type (default: fp16)")
+    parser.add_argument("--batch", type=_positive_int, default=1, help="concurrent requests (default: 1)")
+    parser.add_argument("--memory", type=_memory_size, metavar="SIZE", help="KV memory budget, e.g. 80GB, 74.5GiB or bytes")
+    parser.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=16, help="tokens per KV block (default: 16)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shape = resolve_model_shape(args.model)
+    except (ValueError, OSError) as error:
+        print(f"kvserve kv-size: {error}", file=sys.stderr)
+        return 2
+    print(kv_size_report(shape, args.tokens, args.kv_dtype, args.batch, args.memory, args.block_size))
+    return 0
+
+
+def kv_size_report(
+    shape: ModelShape,
+    tokens: Sequence[int],
+    kv_dtype: str,
+    batch: int = 1,
+    memory_bytes: int | None = None,
+    block_size: int = 16,
+) -> str:
+    per_token = shape.bytes_per_token(kv_dtype)
+    mha = shape.as_mha()
+    lines = [
+        f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim}",
+        _attention_line(shape),
+        f"KV per token ({kv_dtype}): {per_token:,} bytes = {per_token / 2**10:,.1f} KiB"
+        + ("" if shape.gqa_factor == 1 else f"   (as MHA: {mha.bytes_per_token(kv_dtype) / 2**10:,.1f} KiB)"),
+        "",
+    ]
+    header = f"{'tokens':>10} {'batch':>6} {'KV (GB)':>12} {'KV (GiB)':>12}"
+    lines.append(header + ("" if shape.gqa_factor == 1 else f" {'as MHA (GB)':>12}"))
+    for num_tokens in tokens:
+        size = shape.kv_cache_bytes(kv_dtype, num_tokens, batch)
+        row = f"{num_tokens:>10,} {batch:>6} {size / GB:>12,.2f} {size / GIB:>12,.2f}"
+        if shape.gqa_factor > 1:
+            row += f" {mha.kv_cache_bytes(kv_dtype, num_tokens, batch) / GB:>12,.2f}"
+        lines.append(row)
+    if memory_bytes is not None:
+        lines += ["", *_memory_lines(shape, tokens, kv_dtype, memory_bytes, block_size)]
+    return "\n".join(lines)
+
+
+def _attention_line(shape: ModelShape) -> str:
+    if shape.attention_kind == "MHA":
+        return "attention: MHA (one KV head per query head; no GQA saving)"
+    return (
+        f"attention: {shape.attention_kind}, {shape.gqa_factor} query heads share each KV head: "
+        f"the KV cache is {shape.gqa_factor}x smaller than with MHA"
+    )
+
+
+def _memory_lines(shape: ModelShape, tokens: Sequence[int], kv_dtype: str, memory_bytes: int, block_size: int) -> list[str]:
+    num_blocks = num_blocks_for_memory(memory_bytes, shape, kv_dtype, block_size)
+    block_bytes = shape.bytes_per_block(kv_dtype, block_size)
+    lines = [
+        f"memory {memory_bytes / GB:,.2f} GB ({memory_bytes / GIB:,.2f} GiB): {num_blocks:,} blocks of {block_size} tokens "
+        f"({block_bytes / 10**6:,.3f} MB each) = {num_blocks * block_size:,} tokens",
+    ]
+    for num_tokens in tokens:
+        blocks_per_request = -(-num_tokens // block_size)
+        lines.append(f"  requests of {num_tokens:,} tokens that fit at once: {num_blocks // blocks_per_request:,}")
+    return lines
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _memory_size(text: str) -> int:
+    try:
+        return parse_memory_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

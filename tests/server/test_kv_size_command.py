@@ -1,0 +1,80 @@
+import argparse
+import json
+import re
+
+import pytest
+
+from kvserve.server.kv_size_command import add_parser, run
+
+
+def kv_size(capsys, *argv: str) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_parser(parser.add_subparsers(dest="command"))
+    code = run(parser.parse_args(["kv-size", *argv]))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def table_rows(out: str) -> dict[int, list[float]]:
+    """tokens -> the numbers after the batch column (GB, GiB[, as-MHA GB])."""
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(r"^\s*([\d,]+)\s+(\d+)\s+([\d.,]+)\s+([\d.,]+)(?:\s+([\d.,]+))?\s*$", line)
+        if match:
+            rows[int(match.group(1).replace(",", ""))] = [float(v.replace(",", "")) for v in match.groups()[2:] if v]
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("model", "num_tokens", "expected_gb"),
+    [("llama-7b", 4096, 2.1), ("llama-7b", 32768, 17), ("gpt2", 4096, 0.15)],
+)
+def test_mha_figures_in_gb(capsys, model, num_tokens, expected_gb):
+    code, out, _ = kv_size(capsys, "--model", model, "--tokens", str(num_tokens), "--kv-dtype", "fp16")
+    assert code == 0
+    assert table_rows(out)[num_tokens][0] == pytest.approx(expected_gb, rel=0.03)
+    assert "MHA" in out
+
+
+def test_llama_70b_with_and_without_gqa(capsys):
+    code, out, _ = kv_size(capsys, "--model", "llama-70b", "--tokens", "4096", "32768")
+    assert code == 0
+    gqa_gb, gqa_gib, mha_gb = table_rows(out)[32768]
+    assert gqa_gb == pytest.approx(11, rel=0.03)
+    assert gqa_gib == pytest.approx(10.0)
+    assert mha_gb == pytest.approx(86, rel=0.03)
+    assert "GQA, 8 query heads share each KV head" in out and "8x smaller" in out
+
+
+def test_batch_multiplies_and_dtype_scales(capsys):
+    _, fp16, _ = kv_size(capsys, "--model", "llama-7b", "--tokens", "4096", "--batch", "8")
+    _, fp8, _ = kv_size(capsys, "--model", "llama-7b", "--tokens", "4096", "--batch", "8", "--kv-dtype", "fp8")
+    assert table_rows(fp16)[4096][0] == pytest.approx(8 * 2.147, rel=1e-3)
+    assert table_rows(fp8)[4096][0] == pytest.approx(8 * 2.147 / 2, rel=1e-3)
+
+
+def test_memory_gives_blocks_and_concurrent_requests(capsys):
+    code, out, _ = kv_size(capsys, "--model", "smollm2-135m", "--tokens", "8192", "--memory", "2GiB")
+    assert code == 0
+    # 2 GiB / (22.5 KiB * 16 tokens) = 5825 blocks; an 8192-token request needs 512 of them.
+    assert "5,825 blocks of 16 tokens" in out and "= 93,200 tokens" in out
+    assert "requests of 8,192 tokens that fit at once: 11" in out
+
+
+def test_reads_a_config_json_path(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}))
+    code, out, _ = kv_size(capsys, "--model", str(config), "--tokens", "4096")
+    assert code == 0 and table_rows(out)[4096][0] == pytest.approx(2.15, abs=0.005)
+
+
+def test_unknown_model_fails_with_the_presets_listed(capsys):
+    code, out, err = kv_size(capsys, "--model", "nope", "--tokens", "1")
+    assert code == 2 and out == ""
+    assert "llama-70b" in err and "config.json" in err
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "10", "--memory", "lots"], ["--tokens", "10", "--kv-dtype", "fp4"]])
+def test_bad_arguments_are_rejected_by_the_parser(capsys, argv):
+    with pytest.raises(SystemExit):
+        kv_size(capsys, "--model", "gpt2", *argv)
