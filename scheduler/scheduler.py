@@ -242,7 +242,11 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 logprobs.append(token_logprobs)
             # Before the leader can be freed: its siblings fork the prompt's blocks now.
-            if self._siblings.has_held(request) and request.num_computed_tokens >= request.num_prompt_tokens:
+            if (
+                request.parent_id is not None
+                and request.num_computed_tokens >= request.num_prompt_tokens
+                and self._siblings.has_held(request)
+            ):
                 self._fork_siblings(request)
             finished = scheduled.samples and check_stop(request, self.config.max_model_len)
             if finished:
