@@ -109,11 +109,13 @@ class KVCacheManager:
         num_blocks_needed = -(-end // size)
         num_held = len(state.table) if state is not None else 0
         num_missing = max(0, num_blocks_needed - num_held - len(new_computed_blocks))
-        # Copy-on-write: a block this step writes into that another request also holds.
-        # (Normally only the partial block a fork shares; full blocks are never written again.)
+        # Copy-on-write: a block this step writes into that another request also holds, or that
+        # the prefix cache holds (its tokens are promised to future hits). Normally that is the
+        # partial block a fork shares; a cached block is only written after a fork that ends
+        # mid-block, once its other holders are gone.
         shared = [] if state is None else [
             index for index in range(num_computed_tokens // size, min(num_held, num_blocks_needed))
-            if self._allocator.refcount(state.table[index]) > 1
+            if self._allocator.refcount(state.table[index]) > 1 or self._prefix_cache.is_cached(state.table[index])
         ]
         num_revived = sum(1 for block_id in new_computed_blocks if self._allocator.is_cached_free(block_id))
         if num_missing + len(shared) > self._allocator.num_available - num_revived:
@@ -130,7 +132,7 @@ class KVCacheManager:
         for index in shared:
             copy = self._allocator.allocate()
             source = table.replace_block(index, copy)
-            self._allocator.release(source)  # others still hold it: never reaches zero here
+            self._allocator.release(source, keep_cached=self._prefix_cache.is_cached(source))
             self._allocator.mark_filled(copy, min(size, max(0, num_computed_tokens - index * size)))
             self._blocks_to_copy.append((source, copy))
         for _ in range(num_missing):
@@ -244,6 +246,10 @@ class KVCacheManager:
     # Read-only views for tests and debugging tools.
     def refcount(self, block_id: int) -> int:
         return self._allocator.refcount(block_id)
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block holds a prefix-cache entry (in use or evictable)."""
+        return self._prefix_cache.is_cached(block_id)
 
     def eviction_order(self) -> list[int]:
         """Cached-free blocks, the next to be evicted first."""

@@ -116,6 +116,19 @@ def test_forked_copies_with_equal_tokens_share_one_cached_block():
     assert manager.get_computed_blocks(tokens(17)) == ([1], 16)
 
 
+def test_a_cached_block_is_copied_before_it_is_overwritten_even_when_held_alone():
+    manager = KVCacheManager(8, 16)
+    admit(manager, "parent", tokens(16))  # block 0 is full and cached
+    manager.fork("parent", "child", 10)
+    manager.free("parent")
+    assert manager.refcount(0) == 1
+    child = tokens(10) + [99]  # position 10 differs from what block 0 caches
+    assert manager.allocate_slots("child", child, 10, 1) == [1]
+    assert manager.take_blocks_to_copy() == [(0, 1)]
+    assert manager.eviction_order() == [0]  # still cached, now evictable
+    assert manager.get_computed_blocks(tokens(17)) == ([0], 16)
+
+
 def test_failure_changes_nothing():
     manager = KVCacheManager(4, 16)
     admit(manager, "a", tokens(48))

@@ -29,9 +29,11 @@ class ShadowRequest:
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    enable_prefix_caching = True
+
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=self.enable_prefix_caching)
         self.requests: dict[str, ShadowRequest] = {}
         self.kv: defaultdict[int, list[int | None]] = defaultdict(lambda: [None] * BLOCK_SIZE)
         self.next_id = 0
@@ -48,7 +50,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         table = self.manager.block_ids(request_id)
         missing = max(0, -(-end // BLOCK_SIZE) - len(table))
         write_range = range(start // BLOCK_SIZE, min(len(table), -(-end // BLOCK_SIZE)))
-        return missing + sum(1 for index in write_range if self.manager.refcount(table[index]) > 1)
+        # Copy-on-write for blocks others hold, and for cached blocks (their tokens are promised).
+        return missing + sum(1 for index in write_range if self.manager.refcount(table[index]) > 1 or self.manager.is_cached(table[index]))
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -154,5 +157,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert all(self.manager.refcount(block_id) == 0 for block_id in range(NUM_BLOCKS))
 
 
+class KVCacheMachineWithoutPrefixCaching(KVCacheMachine):
+    enable_prefix_caching = False
+
+
 KVCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+KVCacheMachineWithoutPrefixCaching.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 TestKVCacheManagerProperties = KVCacheMachine.TestCase
+TestKVCacheManagerPropertiesWithoutPrefixCaching = KVCacheMachineWithoutPrefixCaching.TestCase

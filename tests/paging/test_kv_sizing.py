@@ -125,6 +125,7 @@ def test_reads_llama_and_gpt2_configs(tmp_path):
         resolve_model_shape(str(broken))
 
 
+@pytest.mark.slow  # GGUFReader parses the whole 49k-token vocabulary: ~4 s
 def test_reads_the_default_models_gguf_metadata():
     import importlib.util
     from pathlib import Path
