@@ -21,12 +21,9 @@ from tests.server.sse import parse_sse
 
 pytestmark = pytest.mark.slow
 
-# Prefix caching is off here: with it on, repeating a prompt (test_openai_chat_stream_and_usage)
-# currently kills the engine with BlockAllocatorError "block N is free and holds nothing" in
-# KVCacheManager.allocate_slots -> incref (a paging bug, reported to its owner). Turn it back on
-# once that is fixed: this module then covers the default configuration.
+# Prefix caching on (the default): several tests repeat a prompt, so they also cover prefix hits.
 CONFIG = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=128, max_model_len=512, max_num_seqs=32,
-                      served_model_name="smol", enable_prefix_caching=False)
+                      served_model_name="smol")
 
 
 @pytest.fixture(scope="module")
