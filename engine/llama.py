@@ -17,12 +17,13 @@ from torch import nn
 
 from kvserve.engine.attention_metadata import AttentionMetadata
 from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.rope import RotaryEmbedding
+from kvserve.engine.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from kvserve.kernels import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache): [num_blocks, Hkv, block_size, D]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin): [T, 1, D]
 
 
 class RMSNorm(nn.Module):
@@ -47,13 +48,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
-                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
+                attention: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         key_cache, value_cache = kv_cache
         attention.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = attention.paged_attention(
@@ -83,9 +84,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
-                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, attention)
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
+                attention: AttentionBackend) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, attention)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -110,8 +111,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
                              f"slot_mapping ({attn_metadata.num_tokens}) must all have one entry per token")
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary_emb, kv_cache, attn_metadata, attention)
+            x = layer(x, rope, kv_cache, attn_metadata, attention)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

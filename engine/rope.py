@@ -39,7 +39,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin in float32 from integer positions, applied to q [T, H, D] and k [T, Hkv, D]."""
+    """cos/sin computed in float32 from integer positions, for q [T, H, D] and k [T, Hkv, D]."""
 
     def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
         """freq_factors: per-frequency divisors from a GGUF's `rope_freqs.weight` (llama.cpp's
@@ -79,9 +79,12 @@ class RotaryEmbedding(torch.nn.Module):
             return pos.unsqueeze(1) * inv_freq
         return torch.outer(pos, self.inv_freq.float())
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the tokens at `positions`: computed once per forward, shared by all layers."""
         freqs = self._freqs(positions)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().unsqueeze(1).to(q.dtype)  # [T, 1, D]: broadcast over heads
-        sin = emb.sin().unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # broadcast over heads
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

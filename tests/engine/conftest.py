@@ -16,29 +16,16 @@ from kvserve.engine.llama import LlamaForCausalLM
 from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.model_loader import load_model
 from kvserve.engine.model_source import ModelSource, resolve_model
-from kvserve.kernels import torch_attention
+from kvserve.kernels import TorchAttentionBackend
 
 BLOCK_SIZE = 16
 # Tiny checkpoints share SmolLM2's tokenizer, so their vocabulary matches it.
 TINY_VOCAB = 49152
 
 
-class TorchAttentionAdapter:
-    """The two reference functions as one backend object; stands in until kvserve.kernels
-    exports TorchAttentionBackend."""
-
-    def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-
-    def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                        *, max_query_len: int, max_seq_len: int) -> torch.Tensor:
-        return torch_attention.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                               query_start_loc, scale)
-
-
 @pytest.fixture(scope="session")
-def attention_backend() -> TorchAttentionAdapter:
-    return TorchAttentionAdapter()
+def attention_backend() -> TorchAttentionBackend:
+    return TorchAttentionBackend()
 
 
 @dataclass
@@ -103,19 +90,29 @@ class ReferenceGreedy:
     top2_gaps: list[float]  # transformers' top-1 minus top-2 logit at each generated step
 
 
-def transformers_greedy(model, prompt: list[int], max_new_tokens: int) -> ReferenceGreedy:
-    """Plain greedy with transformers' own KV cache, no stopping and no logits processors."""
-    tokens, gaps, past = [], [], None
-    inputs = torch.tensor([prompt])
+def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[ReferenceGreedy]:
+    """Plain greedy with transformers' own KV cache for a left-padded batch of prompts: no
+    stopping at EOS, no logits processors. Batched so the reference costs max_new_tokens
+    forwards, not one per token per prompt."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    gaps: list[list[float]] = [[] for _ in prompts]
+    past = None
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            out = model(input_ids=inputs, past_key_values=past, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            top2 = out.logits[0, -1].float().topk(2)
-            tokens.append(int(top2.indices[0]))
-            gaps.append(float(top2.values[0] - top2.values[1]))
-            inputs = torch.tensor([[tokens[-1]]])
-    return ReferenceGreedy(tokens, gaps)
+            top2 = out.logits[:, -1].float().topk(2)
+            for i in range(len(prompts)):
+                tokens[i].append(int(top2.indices[i, 0]))
+                gaps[i].append(float(top2.values[i, 0] - top2.values[i, 1]))
+            ids = top2.indices[:, :1]
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+            positions = positions[:, -1:] + 1
+    return [ReferenceGreedy(t, g) for t, g in zip(tokens, gaps)]
 
 
 def transformers_logits(model, prompt: list[int]) -> torch.Tensor:
@@ -165,6 +162,9 @@ def _tiny_hf_config(architecture: str):
     if architecture == "llama-tied-linear":
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
         return transformers.LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_parameters=rope)
+    if architecture == "llama-dynamic":
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+        return transformers.LlamaConfig(**{**common, "max_position_embeddings": 32}, rope_parameters=rope)
     if architecture == "qwen2":
         return transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     if architecture == "mistral":
@@ -183,7 +183,7 @@ def tiny_checkpoints(tmp_path_factory, hf_smollm2_tokenizer) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
     dirs = {}
-    for i, architecture in enumerate(TINY_ARCHITECTURES):
+    for i, architecture in enumerate(TINY_ARCHITECTURES + ("llama-dynamic",)):
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_config(_tiny_hf_config(architecture), dtype=torch.float32)
         if architecture == "qwen2":  # transformers initialises biases to zero: make them matter

@@ -93,3 +93,29 @@ def test_tiny_hf_checkpoint_logits_match_transformers(architecture, tiny_checkpo
         ref = transformers_logits(reference, seq.token_ids)
         diff = (logits - ref).abs().max().item()
         assert diff <= TOLERANCE, f"{architecture}: max |logit diff| {diff:.2e} over {len(seq.token_ids)} tokens"
+
+
+def test_dynamic_ntk_rope_matches_transformers_token_by_token_decode(tiny_checkpoints, attention_backend):
+    """Dynamic NTK scaling rotates each token by its own position's frequencies, which is what
+    transformers does when it decodes token by token past max_position_embeddings (32 here)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints["llama-dynamic"]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config, model = load_model(ModelSource("hf", path), torch.float32, torch.device("cpu"))
+    assert config.rope_scaling["rope_type"] == "dynamic"
+    tokens = torch.randint(0, config.vocab_size, (56,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt_len = 20
+    seq = PagedSequence(tokens)
+    driver = PagedDriver(model, config, attention_backend, num_blocks=8)
+    ours = [driver.step([seq], [prompt_len])[0][-1]] + [driver.step([seq], [1])[0][-1]
+                                                       for _ in range(len(tokens) - prompt_len)]
+    ref, past = [], None
+    with torch.inference_mode():
+        out = reference(input_ids=torch.tensor([tokens[:prompt_len]]), use_cache=True)
+        ref.append(out.logits[0, -1])
+        for token in tokens[prompt_len:]:
+            out = reference(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            ref.append(out.logits[0, -1])
+    diff = (torch.stack(ours) - torch.stack(ref)).abs().max().item()
+    assert diff <= TOLERANCE, f"dynamic rope: max |logit diff| {diff:.2e} up to position {len(tokens) - 1}"
