@@ -19,6 +19,7 @@ from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_batch import check_token_ids_in_vocab
 from kvserve.engine.stats import StatsListener, StepStats
 from kvserve.engine.tokenizer import Tokenizer
 from kvserve.scheduler import Scheduler
@@ -93,6 +94,7 @@ class LLMEngine:
         ):
             raise PromptTooLongError(num_prompt, params.max_tokens, self.max_model_len)
         vocab = self.model_config.vocab_size
+        check_token_ids_in_vocab(params, vocab)
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"Token id {bad} in the prompt is outside the vocabulary [0, {vocab}).")
