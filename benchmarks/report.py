@@ -1,0 +1,202 @@
+"""Turn run_all.py's summary (plain JSON data) into REPORT.md and a comparison PNG.
+
+Pure functions of the summary, so the report can be rebuilt from results/summary.json without
+rerunning anything:  python benchmarks/report.py benchmarks/results
+Every table says what is missing and why (a skipped or failed stage), never an empty cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+Summary = Mapping[str, Any]
+COMPARISON_PNG = "comparison.png"
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _stage(summary: Summary, name: str) -> Mapping[str, Any] | None:
+    return next((s for s in summary.get("stages", []) if s["name"] == name), None)
+
+
+def _missing(summary: Summary, names: Sequence[str]) -> list[str]:
+    """One line per stage of `names` that produced nothing, saying why."""
+    lines = []
+    for name in names:
+        stage = _stage(summary, name)
+        if stage is not None and stage["status"] != "ok":
+            lines.append(f"- **{name}**: {stage['status']}. {stage['note']}".rstrip())
+    return lines
+
+
+def machine_section(summary: Summary) -> list[str]:
+    m = summary["machine"]
+    rows = [["CPU", m["cpu"]], ["cores", str(m["cores"])], ["memory", f"{m['memory_gib']} GiB"],
+            ["OS / Python", f"{m['os']} / Python {m['python']}"],
+            ["load average at start (1/5/15 min)", " / ".join(str(x) for x in m["load_average_at_start"])],
+            ["kvserve revision", m["git_revision"]],
+            ["threads per system", str(summary.get("threads", "default"))]]
+    rows += [[name, version] for name, version in m["versions"].items()]
+    return ["## Machine and software", "", *_table(["", ""], rows)]
+
+
+def workload_section(summary: Summary) -> list[str]:
+    w = summary["workload"]
+    return ["## Workload", "",
+            f"`benchmarks/workload.py`: seed {w['seed']}, {w['num_requests']} requests, prompts of "
+            f"{w['prompt_len'][0]}-{w['prompt_len'][1]} random token ids ({w['input_tokens']:,} in all), outputs of "
+            f"{w['output_len'][0]}-{w['output_len'][1]} tokens ({w['output_tokens']:,} in all), EOS ignored, greedy. "
+            f"Online runs send the same requests as token-id prompts from `{w['jsonl']}`."]
+
+
+def offline_section(summary: Summary) -> list[str]:
+    rows = summary.get("offline", [])
+    lines = ["## 1. Offline throughput (one process, no HTTP)", ""]
+    base = next((r["tokens_per_s"] for r in rows if r["kind"] == "kvserve-continuous"), None)
+    if rows:
+        table = []
+        for r in rows:
+            ratio = f"{base / r['tokens_per_s']:.2f}x" if base else "n/a"
+            table.append([r["name"], f"{r['output_tokens']:,}", _num(r["seconds"]), _num(r["tokens_per_s"]), ratio])
+        lines += _table(["system", "output tokens", "seconds", "tokens/s", "kvserve continuous is"], table)
+        best = {}
+        for r in rows:
+            if r["kind"].endswith("-static") and r["tokens_per_s"] > best.get(r["kind"], {}).get("tokens_per_s", 0):
+                best[r["kind"]] = r
+        if base and best:
+            lines += ["", "Best static batch size: " + "; ".join(
+                f"{r['name']} ({_num(r['tokens_per_s'])} tokens/s, kvserve continuous is {base / r['tokens_per_s']:.2f}x)"
+                for r in best.values()) + "."]
+        lines += ["", "Static batches count useful tokens only: a finished request's slot idles (transformers "
+                  "keeps generating into it) until the longest request of its batch ends."]
+    else:
+        lines.append("No offline results.")
+    missing = _missing(summary, ("offline: kvserve", "offline: transformers generate (static)",
+                                 "offline: transformers continuous batching"))
+    return lines + (["", "Not measured:", *missing] if missing else [])
+
+
+ONLINE_HEADER = ["server", "completed", "failed", "seconds", "req/s", "output tok/s", "mean TTFT ms", "p99 TTFT ms",
+                 "mean TPOT ms", "p99 TPOT ms", "mean ITL ms", "p99 e2e ms"]
+
+
+def _online_row(name: str, r: Mapping[str, Any]) -> list[str]:
+    return [name, str(r["completed"]), str(r["failed"]), _num(r["duration"]), _num(r["request_throughput"], 2),
+            _num(r["output_throughput"]), _num(r["mean_ttft_ms"], 0), _num(r.get("p99_ttft_ms"), 0),
+            _num(r["mean_tpot_ms"]), _num(r.get("p99_tpot_ms")), _num(r["mean_itl_ms"]), _num(r.get("p99_e2el_ms"), 0)]
+
+
+def online_section(summary: Summary) -> list[str]:
+    runs = summary.get("online", [])
+    lines = ["## 2. Online serving: all requests at once (request rate inf)", ""]
+    if runs:
+        lines += _table(ONLINE_HEADER, [_online_row(run["system"], run["result"]) for run in runs])
+        lines += ["", "Server commands:", ""] + [f"- {run['system']}: `{run['server_command']}`" for run in runs]
+    else:
+        lines.append("No online results.")
+    missing = _missing(summary, ("online: kvserve", "online: llama.cpp llama-server"))
+    return lines + (["", "Not measured:", *missing] if missing else [])
+
+
+def sweep_section(summary: Summary) -> list[str]:
+    sweep = summary.get("sweep") or {}
+    points = sweep.get("points", [])
+    lines = ["## 3. kvserve latency vs throughput (request-rate sweep)", ""]
+    if points:
+        lines.append(f"{sweep['num_prompts']} requests of the workload per rate, Poisson arrivals (seed 0).")
+        lines.append("")
+        table = [[str(p["request_rate"]), *_online_row("", p)[1:]] for p in points]
+        lines += _table(["rate (req/s)", *ONLINE_HEADER[1:]], table)
+        lines += [""] + [f"![{Path(png).stem}]({Path(png).name})" for png in sweep.get("pngs", [])]
+    else:
+        lines.append("No sweep results.")
+    missing = _missing(summary, ("sweep: kvserve",))
+    return lines + (["", "Not measured:", *missing] if missing else [])
+
+
+def stages_section(summary: Summary) -> list[str]:
+    rows = [[s["name"], s["status"], _num(s["seconds"], 0), f"`{s['command']}`" if s["command"] else ""]
+            for s in summary.get("stages", [])]
+    return ["## Stages and exact commands", "", f"Everything above: `{summary['command']}`", "",
+            *_table(["stage", "status", "seconds", "command"], rows)]
+
+
+def render_report(summary: Summary, has_comparison_png: bool = False) -> str:
+    lines = ["# kvserve benchmark report", "",
+             f"Generated {summary['generated_at']} by `{summary['command']}` (SmolLM2-135M-Instruct, the Q4_1 GGUF "
+             "dequantized; every system on the same machine, model and workload)."]
+    if summary.get("quick"):
+        lines += ["", "**Quick smoke run (`--quick`): a tiny workload; these numbers are not a benchmark.**"]
+    load = summary["machine"]["load_average_at_start"][0]
+    if load > summary["machine"]["cores"]:
+        lines += ["", f"**Warning: the load average was {load} on {summary['machine']['cores']} cores at the start: "
+                  "other work shared the CPU, so absolute numbers are pessimistic and ratios noisy.**"]
+    sections = [machine_section(summary), workload_section(summary), offline_section(summary),
+                online_section(summary), sweep_section(summary)]
+    if has_comparison_png:
+        sections.append(["## At a glance", "", f"![offline and online throughput]({COMPARISON_PNG})"])
+    sections.append(stages_section(summary))
+    for section in sections:
+        lines += ["", *section]
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(summary: Summary, path: Path) -> Path | None:
+    """Bars of output tokens/s: every offline system, and every online server. None when nothing ran."""
+    bars = [(r["name"], r["tokens_per_s"]) for r in summary.get("offline", [])]
+    bars += [(f"online: {run['system']}", run["result"]["output_throughput"]) for run in summary.get("online", [])]
+    if not bars:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(9, 0.45 * len(bars) + 1.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    names, values = zip(*bars)
+    axes.barh(range(len(bars)), values, color=["C0" if n.startswith("kvserve") or n == "online: kvserve" else "C7"
+                                                for n in names])
+    axes.set_yticks(range(len(bars)), names, fontsize=8)
+    axes.invert_yaxis()
+    for y, value in enumerate(values):
+        axes.annotate(f"{value:.0f}", (value, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    axes.set_xlabel("output tokens/s (higher is better)")
+    axes.set_title("SmolLM2-135M on the fixed workload")
+    axes.grid(axis="x", alpha=0.3)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def write_report(summary: Summary, out_dir: Path) -> Path:
+    png = plot_comparison(summary, out_dir / COMPARISON_PNG)
+    path = out_dir / "REPORT.md"
+    path.write_text(render_report(summary, has_comparison_png=png is not None), encoding="utf-8")
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Rebuild REPORT.md from a results folder's summary.json.")
+    parser.add_argument("results_dir", type=Path)
+    args = parser.parse_args()
+    summary = json.loads((args.results_dir / "summary.json").read_text())
+    print(write_report(summary, args.results_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""REPORT.md from a summary: the tables hold the numbers and ratios, and anything missing says why."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from report import render_report, write_report
+
+ONLINE = {"completed": 64, "failed": 0, "duration": 40.0, "request_throughput": 1.6, "output_throughput": 218.0,
+          "mean_ttft_ms": 900.0, "p99_ttft_ms": 2000.0, "mean_tpot_ms": 95.0, "p99_tpot_ms": 120.0,
+          "mean_itl_ms": 94.0, "p99_e2el_ms": 30000.0}
+
+
+def summary() -> dict[str, Any]:
+    return {
+        "generated_at": "2026-01-01T00:00:00", "quick": False, "command": "python benchmarks/run_all.py",
+        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gib": 24.0, "os": "Linux", "python": "3.11",
+                    "load_average_at_start": [0.5, 0.4, 0.3], "git_revision": "abc1234",
+                    "versions": {"torch": "2.13.0", "transformers": "5.0"}},
+        "workload": {"seed": 0, "num_requests": 64, "prompt_len": [16, 256], "output_len": [16, 256],
+                     "input_tokens": 8000, "output_tokens": 9000, "jsonl": "benchmarks/results/workload.jsonl"},
+        "offline": [
+            {"name": "kvserve continuous batching", "kind": "kvserve-continuous", "output_tokens": 9000,
+             "seconds": 30.0, "tokens_per_s": 300.0},
+            {"name": "transformers generate, static batches of 8", "kind": "transformers-static",
+             "output_tokens": 9000, "seconds": 90.0, "tokens_per_s": 100.0},
+            {"name": "transformers generate, static batches of 16", "kind": "transformers-static",
+             "output_tokens": 9000, "seconds": 60.0, "tokens_per_s": 150.0},
+        ],
+        "online": [{"system": "kvserve", "server_command": "kvserve serve --port 1", "result": dict(ONLINE)}],
+        "sweep": {"num_prompts": 32, "rates": "1,inf", "pngs": ["sweep-kvserve-ttft_cdf.png"],
+                  "points": [{**ONLINE, "request_rate": 1.0}, {**ONLINE, "request_rate": "inf"}]},
+        "stages": [
+            {"name": "offline: kvserve", "status": "ok", "command": "python benchmarks/offline.py", "seconds": 40.0,
+             "note": "", "log": ""},
+            {"name": "offline: transformers continuous batching", "status": "timed out", "command": "python x",
+             "seconds": 1200.0, "note": "killed at the 1200 s limit", "log": ""},
+            {"name": "online: llama.cpp llama-server", "status": "skipped", "command": "", "seconds": 0.0,
+             "note": "no --llama-server PATH was given", "log": ""},
+        ],
+    }
+
+
+def test_offline_table_has_ratios_against_kvserve_continuous() -> None:
+    text = render_report(summary())
+    assert "| kvserve continuous batching | 9,000 | 30.0 | 300.0 | 1.00x |" in text
+    assert "| transformers generate, static batches of 8 | 9,000 | 90.0 | 100.0 | 3.00x |" in text
+    assert "transformers generate, static batches of 16 (150.0 tokens/s, kvserve continuous is 2.00x)" in text
+
+
+def test_missing_stages_are_reported_with_their_reason() -> None:
+    text = render_report(summary())
+    assert "- **offline: transformers continuous batching**: timed out. killed at the 1200 s limit" in text
+    assert "- **online: llama.cpp llama-server**: skipped. no --llama-server PATH was given" in text
+
+
+def test_online_and_sweep_rows_and_plots() -> None:
+    text = render_report(summary())
+    assert "| kvserve | 64 | 0 | 40.0 | 1.60 | 218.0 | 900 | 2,000 | 95.0 | 120.0 | 94.0 | 30,000 |" in text
+    assert "| inf | 64 | 0 | 40.0 |" in text and "| 1.0 | 64 | 0 |" in text
+    assert "![sweep-kvserve-ttft_cdf](sweep-kvserve-ttft_cdf.png)" in text
+    assert "`kvserve serve --port 1`" in text
+
+
+def test_busy_machine_and_quick_runs_are_flagged() -> None:
+    data = summary()
+    assert "Warning: the load average" not in render_report(data)
+    data["machine"]["load_average_at_start"] = [5.0, 4.0, 3.0]
+    data["quick"] = True
+    text = render_report(data)
+    assert "Warning: the load average was 5.0 on 2 cores" in text
+    assert "Quick smoke run" in text
+
+
+def test_nothing_measured_says_so_instead_of_empty_tables() -> None:
+    data = summary()
+    data.update(offline=[], online=[], sweep={})
+    text = render_report(data)
+    assert "No offline results." in text and "No online results." in text and "No sweep results." in text
+    assert "n/a" not in text
+
+
+def test_missing_latency_is_na_not_zero() -> None:
+    data = copy.deepcopy(summary())
+    data["online"][0]["result"].update(mean_tpot_ms=None, p99_tpot_ms=None)
+    assert "| 95.0 | 120.0 |" not in render_report(data).split("## 3.")[0]
+    assert "| n/a | n/a |" in render_report(data)
+
+
+def test_write_report_writes_markdown_and_comparison_png(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    path = write_report(summary(), tmp_path)
+    assert path.read_text().startswith("# kvserve benchmark report")
+    assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![offline and online throughput](comparison.png)" in path.read_text()
