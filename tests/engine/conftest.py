@@ -153,7 +153,8 @@ def _tiny_hf_config(architecture: str):
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  initializer_range=0.2)  # larger than default so that a wrong rope or bias moves logits visibly
     if architecture == "llama":
         # llama3 scaling with a short original context so that every frequency band is exercised.
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
