@@ -8,16 +8,14 @@ warning naming the prompt, step and gap (and counted); any other divergence fail
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from tests.engine.conftest import PagedDriver, transformers_greedy
+from tests.engine.greedy_check import near_tie_divergences
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW_TOKENS = 64
-NEAR_TIE = 1e-3
 PROMPTS = [
     "The capital of France is",
     "def quicksort(items):",
@@ -38,29 +36,13 @@ def prompt_ids(hf_smollm2_tokenizer) -> list[list[int]]:
     return [hf_smollm2_tokenizer.encode(p) for p in PROMPTS] + [chat_ids]
 
 
-def first_divergence(ours: list[int], ref: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-
-
 def test_greedy_continuations_match_transformers(our_smollm2, hf_smollm2, prompt_ids, attention_backend):
     config, model = our_smollm2
     assert len(prompt_ids) >= 8
     driver = PagedDriver(model, config, attention_backend, num_blocks=96, seed=3)
     ours = driver.greedy(prompt_ids, MAX_NEW_TOKENS)
-    near_ties = []
     references = transformers_greedy(hf_smollm2, prompt_ids, MAX_NEW_TOKENS)
-    for n, (tokens, ref) in enumerate(zip(ours, references)):
-        assert len(tokens) == len(ref.token_ids) == MAX_NEW_TOKENS
-        i = first_divergence(tokens, ref.token_ids)
-        if i is None:
-            continue
-        gap = ref.top2_gaps[i]
-        assert gap < NEAR_TIE, (
-            f"prompt {n}: greedy output diverges at token {i} (ours {tokens[i]}, transformers "
-            f"{ref.token_ids[i]}) where transformers' top-2 gap is {gap:.2e}, not a near-tie"
-        )
-        near_ties.append(f"prompt {n} token {i}: gap {gap:.2e}, ours {tokens[i]} vs {ref.token_ids[i]}")
-    if near_ties:
-        warnings.warn(f"{len(near_ties)} near-tie divergence(s): " + "; ".join(near_ties), stacklevel=1)
+    assert all(len(tokens) == MAX_NEW_TOKENS for tokens in ours)
+    near_ties = near_tie_divergences(ours, references)
     # A near-tie is rare; if most prompts need the excuse, something is numerically off.
     assert len(near_ties) <= 2, near_ties
