@@ -103,11 +103,15 @@ def paged_attention(
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., n] block ids -> [kv_heads, ..., n * block_size, head_dim] in `dtype` (one copy)."""
-    num_kv_heads, block_size, head_dim = cache.shape[1], cache.shape[2], cache.shape[3]
-    # Indexing the head-major view puts kv_heads first and keeps each block's rows adjacent, so
-    # the flattening reshape below is free.
-    gathered = cache.transpose(0, 1)[:, block_ids.long()]
-    return gathered.reshape(num_kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim).to(dtype)
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    # Row (block * kv_heads + head) of the flattened cache is one head's block, a contiguous
+    # block_size x head_dim tile. index_select copies whole tiles straight into kv-head-major
+    # order, so the reshape below is free (measured 6x faster than advanced indexing through a
+    # transposed view).
+    heads = torch.arange(num_kv_heads, device=cache.device).view(-1, *([1] * block_ids.dim()))
+    rows = (block_ids.long().unsqueeze(0) * num_kv_heads + heads).flatten()
+    gathered = cache.view(num_blocks * num_kv_heads, block_size, head_dim).index_select(0, rows)
+    return gathered.view(num_kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim).to(dtype)
 
 
 def _decode_batch(
@@ -167,8 +171,13 @@ def _decode_slice(
     k = _gather_context(key_cache, tables, query.dtype)  # [kv_heads, n, L, D]
     v = _gather_context(value_cache, tables, query.dtype)
     q = query[rows].view(-1, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, n, group, D]
-    visible = torch.arange(k.shape[2], device=query.device) < lens.unsqueeze(1)  # [n, L]
-    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[None, :, None, :], scale=score_scale)
+    hidden = torch.arange(k.shape[2], device=query.device) >= lens.unsqueeze(1)  # [n, L]: padding
+    # Two batched matmuls rather than SDPA: with a single query row per request, CPU SDPA's
+    # flash kernel spends its time on tiling overhead (measured 2x slower at 64 x 208 tokens).
+    # The softmax runs in float32 whatever the cache dtype.
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(score_scale)  # [kv_heads, n, group, L]
+    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    attn = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
     if out_scale != 1.0:
         attn = attn * out_scale
     out[rows] = attn.transpose(0, 1).reshape(-1, num_heads, head_dim)
