@@ -49,7 +49,7 @@ def run_transformers_static(items: list[WorkItem], batch_size: int, dtype: torch
     from transformers import AutoModelForCausalLM
 
     source = resolve_model("SmolLM2-135M-Instruct")
-    model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, dtype=dtype)
     model.eval()
     pad = 2
     useful, start = 0, time.perf_counter()
