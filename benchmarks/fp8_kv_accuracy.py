@@ -54,8 +54,8 @@ def main() -> int:
         logprob_diffs += [abs(a.logprob - b.logprob) for a, b in zip(base.logprobs[:n], fp8.logprobs[:n])]
     total = len(PROMPTS) * args.max_tokens
     print(f"model dtype {args.dtype}; {len(PROMPTS)} prompts x {args.max_tokens} greedy tokens")
-    print(f"| KV cache | identical continuations | tokens before first divergence | mean |logprob diff| |")
-    print(f"|---|---|---|---|")
+    print("| KV cache | identical continuations | tokens before first divergence | mean |logprob diff| |")
+    print("|---|---|---|---|")
     print(f"| fp8 e4m3 vs {args.dtype} | {identical}/{len(PROMPTS)} | {sum(prefix_lens)}/{total} "
           f"({100 * sum(prefix_lens) / total:.1f}%) | {sum(logprob_diffs) / max(len(logprob_diffs), 1):.4f} |")
     return 0

@@ -120,7 +120,7 @@ def run_cuda(peak_gbps: float | None) -> None:
             cells = []
             for kv_dtype in (torch.bfloat16, FP8_KV_DTYPE):
                 args = make_paged_decode(shape, torch.bfloat16, kv_dtype, "cuda")
-                seconds = triton.testing.do_bench(lambda: triton_paged_attention(*args, max_query_len=1, max_seq_len=context)) * 1e-3
+                seconds = triton.testing.do_bench(lambda a=args: triton_paged_attention(*a, max_query_len=1, max_seq_len=context)) * 1e-3
                 gbps = shape.kv_bytes(kv_dtype.itemsize) / seconds / 1e9
                 cells.append((seconds * 1e6, gbps))
                 del args

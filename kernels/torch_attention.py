@@ -127,7 +127,7 @@ def _decode_batch(
     out_scale: float,
     max_seq_len: int | None,
 ) -> None:
-    num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
     longest = int(seq_lens[seqs].max()) if max_seq_len is None else max_seq_len
     # Gathered K+V per request; batches whose gathered context would spill out of the CPU caches
     # run in slices (measured: one 50 MB gather was slower than a per-request loop).

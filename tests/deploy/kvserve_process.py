@@ -8,29 +8,19 @@ binds loopback instead of 0.0.0.0 and the port is a free one.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from tests.deploy.dockerfile import image_command, image_env
+from tests.process_harness import background_process, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def missing_serve_command() -> str | None:
@@ -66,30 +56,8 @@ def image_environment() -> dict[str, str]:
 def run_image_command(tmp_path: Path, extra_args: Sequence[str] = (), startup_timeout_s: float = 240.0) -> Iterator[RunningServer]:
     """Run ENTRYPOINT + CMD + `--port <free>` + extra_args; yield once /health answers 200."""
     port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
     argv = [*image_command(DOCKERFILE), "--port", str(port), *extra_args]
-    log_path = tmp_path / "kvserve.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, env=image_environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"{argv} exited with {process.returncode} before /health was ready:\n{server.log_tail()}")
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"/health not 200 within {startup_timeout_s} s:\n{server.log_tail()}")
-            time.sleep(0.5)
-        yield server
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
+    with background_process(argv, tmp_path / "kvserve.log", f"{base_url}/health", env=image_environment(),
+                            startup_timeout_s=startup_timeout_s) as running:
+        yield RunningServer(base_url, running.process, running.log_path)

@@ -8,9 +8,7 @@ the expected number or the deadline passes.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -23,7 +21,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.deploy.kvserve_process import REPO, free_port
+from tests.deploy.kvserve_process import REPO
+from tests.process_harness import background_process, free_port
 
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus.yml"
 PROMETHEUS_MISSING = "the prometheus server is absent: apt-get install prometheus (Debian's package)"
@@ -88,31 +87,10 @@ def running_prometheus(tmp_path: Path, target: str, startup_timeout_s: float = 6
         f"--web.listen-address=127.0.0.1:{port}",
         "--log.level=warn",
     ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Prometheus(f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"prometheus exited with {process.returncode}:\n{log_path.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"{server.base_url}/-/ready", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"prometheus not ready within {startup_timeout_s} s")
-            time.sleep(0.25)
-        yield server
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=5)
+    base_url = f"http://127.0.0.1:{port}"
+    with background_process(argv, log_path, f"{base_url}/-/ready", startup_timeout_s=startup_timeout_s,
+                            stop_timeout_s=15) as running:
+        yield Prometheus(base_url, running.process, log_path)
 
 
 @contextmanager

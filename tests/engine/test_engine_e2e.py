@@ -5,6 +5,7 @@ the KV cache is filled (issue 5)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve.engine import LLM, SamplingParams
 from tests.engine.conftest import ReferenceGreedy, transformers_greedy
@@ -92,3 +93,14 @@ def test_seeded_sampling_is_reproducible_across_batches(default_llm, prompt_ids)
     others = [SamplingParams(temperature=1.0, max_tokens=24)] * 5
     batch = default_llm.generate(prompt_ids[:6], others[:3] + [params] + others[3:5], use_tqdm=False)
     assert batch[3].outputs[0].token_ids == alone
+
+
+def test_fp8_kv_cache_stores_e4m3_and_keeps_the_first_greedy_tokens(prompt_ids, references):
+    """fp8 KV costs accuracy (benchmarks/fp8_kv_accuracy.py measures how much); the first token
+    after the prompt must still mostly agree with transformers'."""
+    llm = LLM(dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=256, max_model_len=512)
+    key_cache, value_cache = llm.engine.model_runner.kv_caches[0]
+    assert key_cache.dtype == value_cache.dtype == torch.float8_e4m3fn
+    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    agree = sum(o.outputs[0].token_ids[0] == r.token_ids[0] for o, r in zip(outputs, references))
+    assert agree >= 12, f"only {agree}/16 first tokens agree with transformers"

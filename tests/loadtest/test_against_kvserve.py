@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +17,7 @@ import pytest
 
 from kvserve.loadtest import Endpoint, LoadConfig, RandomDataset, compute_metrics, run_load
 from kvserve.loadtest.cli import main as bench_main
+from tests.process_harness import background_process, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,50 +25,18 @@ STARTUP_TIMEOUT_S = 300.0
 NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 6, 24, 8
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_models(process: subprocess.Popen[bytes], base_url: str, log_path: Path) -> str:
-    """The served model's id, once GET /v1/models answers 200."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"kvserve exited with {process.returncode} while starting:\n{log_path.read_text()[-3000:]}")
-        try:
-            response = httpx.get(f"{base_url}/v1/models", timeout=2.0, trust_env=False)
-            if response.status_code == 200:
-                return response.json()["data"][0]["id"]
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"GET /v1/models not 200 within {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(base_url, model) of a small kvserve server; the server is always killed afterwards."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("kvserve") / "server.log"
+    """(base_url, model) of a small kvserve server; the server is always stopped afterwards."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "kvserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "64", "--max-num-seqs", "8",
             "--no-enable-prefix-caching", "--log-level", "warning"]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        yield base_url, _wait_for_models(process, base_url, log_path)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
+    log_path = tmp_path_factory.mktemp("kvserve") / "server.log"
+    with background_process(argv, log_path, f"{base_url}/v1/models", startup_timeout_s=STARTUP_TIMEOUT_S):
+        model = httpx.get(f"{base_url}/v1/models", timeout=5.0, trust_env=False).json()["data"][0]["id"]
+        yield base_url, model
 
 
 def test_run_load_counts_every_token_of_a_tiny_workload(kvserve_server: tuple[str, str]) -> None:
