@@ -26,6 +26,16 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, unless there is none or its help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default is None or "(default:" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, serve_parser, serve_actions = build_parser()
     apply_environment(serve_parser, serve_actions, os.environ)
@@ -50,7 +60,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, li
                f"{ENV_PREFIX}MAX_MODEL_LEN=4096 or {ENV_PREFIX}ENABLE_PREFIX_CACHING=false; a flag given on the "
                "command line wins. On SIGTERM the server stops admitting (503), lets in-flight requests finish "
                "within --shutdown-grace-period, aborts the rest and exits 0.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelpFormatter)
     actions = _add_serve_options(serve_parser)
     kv_size_command.add_parser(subparsers)
     return parser, serve_parser, actions
