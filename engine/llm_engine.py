@@ -33,19 +33,23 @@ _SEED_MASK = (1 << 63) - 1
 
 
 class PromptTooLongError(ValueError):
-    """The prompt (plus the tokens asked for) does not fit in max_model_len."""
+    """The prompt (plus the tokens asked for) does not fit in max_model_len. `param` names what to
+    change: "prompt", or the completion-length parameter as the caller spells it."""
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                 max_tokens_param: str = "max_tokens") -> None:
         if max_tokens is None or num_prompt_tokens >= max_model_len:
+            self.param = "prompt"
             message = (
                 f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                 f"{num_prompt_tokens} tokens. Please shorten the prompt."
             )
         else:
+            self.param = max_tokens_param
             message = (
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-                f"for the completion). Please reduce the prompt or max_tokens."
+                f"for the completion). Please reduce the prompt or {max_tokens_param}."
             )
         super().__init__(message)
         self.num_prompt_tokens = num_prompt_tokens

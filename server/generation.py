@@ -34,12 +34,6 @@ class GenerationUpdate:
 
 
 @dataclass(frozen=True)
-class _Output:
-    job_index: int
-    output: RequestOutput
-
-
-@dataclass(frozen=True)
 class _Finished:
     job_index: int
 
@@ -55,7 +49,7 @@ class _AbortAll:
     pass
 
 
-_Item = _Output | _Finished | _Failed | _AbortAll
+_Item = GenerationUpdate | _Finished | _Failed | _AbortAll
 
 
 async def generate_all(engine: ServingEngine, jobs: Sequence[GenerationJob],
@@ -65,7 +59,7 @@ async def generate_all(engine: ServingEngine, jobs: Sequence[GenerationJob],
     async def pump(index: int, job: GenerationJob) -> None:
         try:
             async for output in engine.generate(job.prompt_token_ids, job.params, job.request_id):
-                queue.put_nowait(_Output(index, output))
+                queue.put_nowait(GenerationUpdate(index, output))
         except Exception as error:  # EngineDeadError and anything else: the consumer decides
             queue.put_nowait(_Failed(index, error))
         else:
@@ -82,9 +76,9 @@ async def generate_all(engine: ServingEngine, jobs: Sequence[GenerationJob],
     try:
         while remaining:
             item = await queue.get()
-            if isinstance(item, _Output):
+            if isinstance(item, GenerationUpdate):
                 last[item.job_index] = item.output
-                yield GenerationUpdate(item.job_index, item.output)
+                yield item
             elif isinstance(item, _Finished):
                 remaining.discard(item.job_index)
             elif isinstance(item, _Failed):

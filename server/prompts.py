@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.engine.llm_engine import PromptTooLongError
 from kvserve.server.engine_protocol import ServingTokenizer
 from kvserve.server.errors import bad_request
 from kvserve.server.limits import ServerLimits
@@ -61,16 +62,10 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
                        limits: ServerLimits, param: str = "max_tokens") -> int:
     """The completion budget for one prompt: the requested number, which must fit with the
     prompt in max_model_len, or (when not given) whatever fits, up to the server's cap."""
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                          f"{num_prompt_tokens} tokens. Please shorten the prompt.", "prompt",
-                          code="context_length_exceeded")
     room = max_model_len - num_prompt_tokens
+    if room <= 0 or (requested is not None and requested > room):
+        error = PromptTooLongError(num_prompt_tokens, requested, max_model_len, max_tokens_param=param)
+        raise bad_request(str(error), error.param, code="context_length_exceeded")
     if requested is None:
         return min(room, limits.max_tokens)
-    if requested > room:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                          f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
-                          f"{requested} for the completion). Please reduce the prompt or {param}.", param,
-                          code="context_length_exceeded")
     return requested
