@@ -20,10 +20,10 @@ import time
 import torch
 
 from kvserve.engine.attention_metadata import AttentionMetadata
-from kvserve.engine.llama import LlamaForCausalLM
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.model_loader import load_model
-from kvserve.engine.model_source import resolve_model
+from kvserve.engine.model.llama import LlamaForCausalLM
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.model_loader import load_model
+from kvserve.engine.model.model_source import resolve_model
 from kvserve.kernels import TorchAttentionBackend
 
 BLOCK_SIZE = 16

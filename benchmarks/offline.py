@@ -31,7 +31,7 @@ from workload import WorkItem, fixed_workload  # noqa: E402
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.config import EngineConfig  # noqa: E402
 from kvserve.engine.device import resolve_device, resolve_dtype  # noqa: E402
-from kvserve.engine.model_source import resolve_model  # noqa: E402
+from kvserve.engine.model.model_source import resolve_model  # noqa: E402
 
 SYSTEMS = ("kvserve", "transformers-static", "transformers-continuous")
 CB_PAGE_SIZE = 256  # transformers' default page size (tokens per KV block)

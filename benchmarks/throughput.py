@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import WorkItem, fixed_workload  # noqa: E402
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
-from kvserve.engine.model_source import resolve_model  # noqa: E402
+from kvserve.engine.model.model_source import resolve_model  # noqa: E402
 
 
 def params_for(item: WorkItem) -> SamplingParams:

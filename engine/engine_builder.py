@@ -14,11 +14,11 @@ import torch
 
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.device import resolve_device, resolve_dtype
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.model_loader import load_model
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
-from kvserve.engine.model_source import ModelSource, resolve_model
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.engine.model.model_source import ModelSource, resolve_model
+from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.scaled_kv_backend import ScaledKVBackend
 from kvserve.kernels import FP8_KV_DTYPE, select_attention_backend
 from kvserve.paging import KVCacheManager

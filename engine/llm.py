@@ -14,7 +14,7 @@ from tqdm import tqdm
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]

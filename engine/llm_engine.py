@@ -15,13 +15,13 @@ import time
 from typing import Sequence
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling_batch import check_token_ids_in_vocab
+from kvserve.engine.sampling.sampling_batch import check_token_ids_in_vocab
 from kvserve.engine.stats import StatsListener, StepStats
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler import Scheduler
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.request import FinishReason, Request

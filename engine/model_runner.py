@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from kvserve.engine.attention_metadata import AttentionMetadata
-from kvserve.engine.llama import LlamaForCausalLM
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.sampler import Sampler, SamplingBatch
+from kvserve.engine.model.llama import LlamaForCausalLM
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.kernels import AttentionBackend
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.text.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.engine.stats import FinishedRequestStats
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler.output import TokenLogprobs
 from kvserve.scheduler.request import Request
 

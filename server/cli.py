@@ -14,8 +14,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from kvserve.engine.config import DEFAULT_MODEL, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, ConfigError, EngineConfig
-from kvserve.engine.model_errors import ModelNotFoundError
-from kvserve.engine.model_source import resolve_model
+from kvserve.engine.model.model_errors import ModelNotFoundError
+from kvserve.engine.model.model_source import resolve_model
 from kvserve.paging.kv_sizing import parse_memory_size
 from kvserve.server import kv_size_command
 from kvserve.server.limits import ServerLimits

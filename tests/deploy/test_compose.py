@@ -94,7 +94,7 @@ def test_every_kvserve_variable_set_in_the_image_or_stack_is_a_real_option() -> 
     cli = pytest.importorskip("kvserve.server.cli", reason="the server CLI has not landed yet")
     _, _, actions = cli.build_parser()
     options = {cli.env_name(action) for action in actions}
-    not_options = {"KVSERVE_CACHE"}  # where a missing default model is downloaded (engine/model_source.py)
+    not_options = {"KVSERVE_CACHE"}  # where a missing default model is downloaded (engine/model/model_source.py)
 
     names = {name for name in image_env(DOCKERFILE) if name.startswith("KVSERVE_")}
     for path in COMPOSE_FILES:

@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from kvserve.engine.chat_template import ChatTemplate, ChatTemplateError, validate_messages
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.engine.text.chat_template import ChatTemplate, ChatTemplateError, validate_messages
+from kvserve.engine.text.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],

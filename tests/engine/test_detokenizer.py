@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.detokenizer import DetokenizerFinishedError, IncrementalDetokenizer
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.engine.text.detokenizer import DetokenizerFinishedError, IncrementalDetokenizer
+from kvserve.engine.text.tokenizer import Tokenizer
 
 MULTIBYTE_TEXTS = [
     "😀😃😄 family: 👩‍👩‍👧‍👦, flag: 🇯🇵, rainbow: 🏳️‍🌈",

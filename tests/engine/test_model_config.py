@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvserve.engine.model_config import ModelConfig, load_model_config, model_config_from_hf_dict
-from kvserve.engine.model_errors import ModelConfigError, ModelNotFoundError, UnsupportedArchitectureError
+from kvserve.engine.model.model_config import ModelConfig, load_model_config, model_config_from_hf_dict
+from kvserve.engine.model.model_errors import ModelConfigError, ModelNotFoundError, UnsupportedArchitectureError
 
 LLAMA3_HF = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,

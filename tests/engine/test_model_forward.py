@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.model_loader import load_model
-from kvserve.engine.model_source import ModelSource
+from kvserve.engine.model.model_loader import load_model
+from kvserve.engine.model.model_source import ModelSource
 from tests.engine.conftest import TINY_ARCHITECTURES, PagedDriver, PagedSequence, transformers_logits
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.engine.gguf_loader import unpermute_rope_rows
-from kvserve.engine.model_config import load_model_config
-from kvserve.engine.model_errors import CorruptModelError, UnsupportedArchitectureError
-from kvserve.engine.model_loader import load_model
-from kvserve.engine.model_source import ModelSource
+from kvserve.engine.model.gguf_loader import unpermute_rope_rows
+from kvserve.engine.model.model_config import load_model_config
+from kvserve.engine.model.model_errors import CorruptModelError, UnsupportedArchitectureError
+from kvserve.engine.model.model_loader import load_model
+from kvserve.engine.model.model_source import ModelSource
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 96, 2, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS

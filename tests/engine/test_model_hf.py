@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from kvserve.engine.model_errors import CorruptModelError, UnsupportedArchitectureError
-from kvserve.engine.model_loader import load_model
-from kvserve.engine.model_source import ModelSource
+from kvserve.engine.model.model_errors import CorruptModelError, UnsupportedArchitectureError
+from kvserve.engine.model.model_loader import load_model
+from kvserve.engine.model.model_source import ModelSource
 from tests.engine.test_model_gguf import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, hf_weights
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN,

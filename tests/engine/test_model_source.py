@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.engine import model_source
-from kvserve.engine.model_errors import CorruptModelError, ModelNotFoundError
-from kvserve.engine.model_source import ModelSource, resolve_default_model, resolve_model
+from kvserve.engine.model import model_source
+from kvserve.engine.model.model_errors import CorruptModelError, ModelNotFoundError
+from kvserve.engine.model.model_source import ModelSource, resolve_default_model, resolve_model
 
 GGUF_BYTES = b"GGUF" + b"\x00" * 60
 

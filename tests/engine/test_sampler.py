@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.sampler import Sampler, apply_logits_processors, apply_penalties, draw_inverse_cdf
-from kvserve.engine.sampling_batch import SamplingBatch, check_token_ids_in_vocab
-from kvserve.engine.sampling_filters import filter_logits
-from kvserve.engine.sampling_noise import uniform_from_counter
+from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, apply_penalties, draw_inverse_cdf
+from kvserve.engine.sampling.sampling_batch import SamplingBatch, check_token_ids_in_vocab
+from kvserve.engine.sampling.sampling_filters import filter_logits
+from kvserve.engine.sampling.sampling_noise import uniform_from_counter
 from kvserve.scheduler.output import ScheduledRequest
 from kvserve.scheduler.sampling_params import SamplingParams, SamplingParamsError
 

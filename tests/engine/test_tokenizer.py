@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from kvserve.engine.tokenizer import Tokenizer, TokenizerLoadError
+from kvserve.engine.text.tokenizer import Tokenizer, TokenizerLoadError
 
 # Emoji (including ZWJ sequences and flags), CJK, code, odd whitespace, digits, mixed scripts.
 CORPUS = [

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvserve.engine.chat_template import ChatTemplateError
+from kvserve.engine.text.chat_template import ChatTemplateError
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.scheduler.output import TokenLogprobs

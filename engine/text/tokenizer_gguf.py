@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvserve.engine.gguf_kv_reader import GGUFMetadataError, read_gguf_metadata
+from kvserve.engine.model.gguf_kv_reader import GGUFMetadataError, read_gguf_metadata
 
 
 class TokenizerLoadError(ValueError):

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.model.model_config import ModelConfig
 
 
 def base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

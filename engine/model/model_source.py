@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.engine.config import DEFAULT_MODEL
-from kvserve.engine.model_errors import CorruptModelError, ModelNotFoundError
+from kvserve.engine.model.model_errors import CorruptModelError, ModelNotFoundError
 
 __all__ = ["ModelNotFoundError", "ModelSource", "default_cache_dir", "resolve_model"]
 

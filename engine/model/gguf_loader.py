@@ -16,8 +16,8 @@ import gguf
 import numpy as np
 import torch
 
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.model_errors import CorruptModelError, ModelConfigError
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.model_errors import CorruptModelError, ModelConfigError
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

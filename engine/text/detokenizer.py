@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.engine.text.tokenizer import Tokenizer
 
 # How many prompt tokens give the first output tokens their decoding context (as in vLLM).
 _PROMPT_CONTEXT_TOKENS = 5

@@ -12,8 +12,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.model_errors import CorruptModelError, ModelConfigError, UnsupportedArchitectureError
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.model_errors import CorruptModelError, ModelConfigError, UnsupportedArchitectureError
 
 # GGUF `general.architecture` -> ours. llama.cpp writes Mistral checkpoints as "llama".
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvserve.engine.sampling_batch import Penalties, SamplingBatch
-from kvserve.engine.sampling_filters import filter_logits
-from kvserve.engine.sampling_noise import uniform_from_counter
+from kvserve.engine.sampling.sampling_batch import Penalties, SamplingBatch
+from kvserve.engine.sampling.sampling_filters import filter_logits
+from kvserve.engine.sampling.sampling_noise import uniform_from_counter
 from kvserve.scheduler.output import TokenLogprobs
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch"]

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.attention_metadata import AttentionMetadata
-from kvserve.engine.model_config import ModelConfig
-from kvserve.engine.rope import RotaryEmbedding, apply_rotary
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from kvserve.kernels import AttentionBackend

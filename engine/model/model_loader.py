@@ -11,14 +11,14 @@ import re
 
 import torch
 
-from kvserve.engine.gguf_loader import load_gguf_weights
-from kvserve.engine.gguf_metadata import model_config_from_gguf, read_gguf
-from kvserve.engine.hf_loader import load_hf_weights
-from kvserve.engine.llama import LlamaForCausalLM
-from kvserve.engine.model_config import ModelConfig, load_model_config
-from kvserve.engine.model_errors import CorruptModelError
-from kvserve.engine.model_source import ModelSource
-from kvserve.engine.rope import RotaryEmbedding
+from kvserve.engine.model.gguf_loader import load_gguf_weights
+from kvserve.engine.model.gguf_metadata import model_config_from_gguf, read_gguf
+from kvserve.engine.model.hf_loader import load_hf_weights
+from kvserve.engine.model.llama import LlamaForCausalLM
+from kvserve.engine.model.model_config import ModelConfig, load_model_config
+from kvserve.engine.model.model_errors import CorruptModelError
+from kvserve.engine.model.model_source import ModelSource
+from kvserve.engine.model.rope import RotaryEmbedding
 
 LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.")
 

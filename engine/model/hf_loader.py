@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvserve.engine.model_errors import CorruptModelError, ModelNotFoundError
+from kvserve.engine.model.model_errors import CorruptModelError, ModelNotFoundError
 
 INDEX_FILE = "model.safetensors.index.json"
 # Old checkpoints saved derived buffers; we recompute them from the config.

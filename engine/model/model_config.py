@@ -1,7 +1,7 @@
 """The shape of a Llama-family model, read from config.json or GGUF metadata (never weights).
 
 One frozen dataclass describes Llama, Mistral and Qwen2: they differ only in qkv bias, rope
-settings and defaults, so one forward (engine/llama.py) serves all three.
+settings and defaults, so one forward (engine/model/llama.py) serves all three.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kvserve.engine.model_errors import (
+from kvserve.engine.model.model_errors import (
     SUPPORTED_ARCHITECTURES,
     CorruptModelError,
     ModelConfigError,
@@ -167,7 +167,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     """From a .gguf file, an HF model directory or a config.json path. Reads metadata only."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        from kvserve.engine.gguf_metadata import model_config_from_gguf, read_gguf
+        from kvserve.engine.model.gguf_metadata import model_config_from_gguf, read_gguf
 
         return model_config_from_gguf(read_gguf(path), path)
     config_json = path / "config.json" if path.is_dir() else path

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, processors
 
-from kvserve.engine.chat_template import ChatTemplate, ChatTemplateError
-from kvserve.engine.tokenizer_gguf import TokenizerLoadError, bos_eos_post_processor, read_gguf_tokenizer
+from kvserve.engine.text.chat_template import ChatTemplate, ChatTemplateError
+from kvserve.engine.text.tokenizer_gguf import TokenizerLoadError, bos_eos_post_processor, read_gguf_tokenizer
 
 __all__ = ["Tokenizer", "TokenizerLoadError"]
 

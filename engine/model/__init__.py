@@ -1,0 +1,1 @@
+"""The model: Llama-family config and forward, rope, and the GGUF / safetensors loaders."""

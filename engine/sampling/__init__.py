@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler and the per-request parameters gathered into tensors."""

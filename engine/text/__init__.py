@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers (GGUF and Hugging Face), chat templates, incremental detokenizer."""
