@@ -1,11 +1,19 @@
-"""kvserve.engine: model loading, the Llama-family forward, sampling, and the engines."""
+"""kvserve.engine: model loading, the Llama-family forward, sampling, and the engines.
+
+This namespace is the engine's public API, and the only door the server uses: the scheduler's
+and the paging layer's types that callers need (sampling parameters, finish reasons, logprobs,
+KV-cache sizing) are re-exported here, so `kvserve.server` never imports `kvserve.scheduler` or
+`kvserve.paging` itself (an import-linter contract in pyproject.toml checks it).
+"""
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine, PromptTooLongError
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.scheduler.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.paging import SUPPORTED_BLOCK_SIZES
+from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
+from kvserve.scheduler import FinishReason, SamplingParams, SamplingParamsError, TokenLogprobs
 
 __all__ = [
     "LLM",
@@ -17,6 +25,14 @@ __all__ = [
     "ConfigError",
     "RequestOutput",
     "CompletionOutput",
+    "FinishReason",
+    "TokenLogprobs",
     "SamplingParams",
     "SamplingParamsError",
+    # KV-cache sizing (`kvserve kv-size`, --kv-cache-memory)
+    "SUPPORTED_BLOCK_SIZES",
+    "ModelShape",
+    "num_blocks_for_memory",
+    "parse_memory_size",
+    "resolve_model_shape",
 ]

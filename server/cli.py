@@ -13,10 +13,10 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from kvserve.engine import parse_memory_size
 from kvserve.engine.config import DEFAULT_MODEL, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, ConfigError, EngineConfig
 from kvserve.engine.model.model_errors import ModelNotFoundError
 from kvserve.engine.model.model_source import resolve_model
-from kvserve.paging.kv_sizing import parse_memory_size
 from kvserve.server import kv_size_command
 from kvserve.server.limits import ServerLimits
 from kvserve.server.settings import LOG_LEVELS, ServerSettings

@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.outputs import RequestOutput
-from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.engine import RequestOutput, SamplingParams
 
 
 class ServingTokenizer(Protocol):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.engine.outputs import RequestOutput
-from kvserve.scheduler.output import TokenLogprobs
+from kvserve.engine import RequestOutput, TokenLogprobs
 from kvserve.server.engine_protocol import ServingTokenizer
 from kvserve.server.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails,
                                      TopLogprob, Usage)

@@ -13,9 +13,7 @@ from contextlib import aclosing
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.scheduler.request import FinishReason
-from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.engine import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 from kvserve.server.engine_protocol import ServingEngine
 
 

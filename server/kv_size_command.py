@@ -12,8 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvserve.paging.block_allocator import SUPPORTED_BLOCK_SIZES
-from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
+from kvserve.engine import SUPPORTED_BLOCK_SIZES, ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
 
 KV_DTYPE_CHOICES = ("fp32", "fp16", "bf16", "fp8", "int8")
 GB, GIB = 10**9, 2**30

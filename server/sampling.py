@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvserve.scheduler.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.engine import SamplingParams, SamplingParamsError
 from kvserve.server.errors import bad_request
 from kvserve.server.limits import ServerLimits
 from kvserve.server.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, SamplingFields
