@@ -40,7 +40,7 @@ def build(args: argparse.Namespace) -> Scheduler:
     for i in range(args.num_requests):
         # Distinct prompts: no prefix hits, so every request keeps its own blocks.
         prompt = [(i * 7919 + j * 104729) % VOCAB_SIZE for j in range(args.prompt_len)]
-        scheduler.add_request(Request(f"r{i}", prompt, params, eos_token_id=2, arrival_time=float(i)))
+        scheduler.add_request(Request(f"r{i}", prompt, params, eos_token_ids=(2,), arrival_time=float(i)))
     return scheduler
 
 

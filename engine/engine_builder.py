@@ -14,7 +14,7 @@ import torch
 
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.device import resolve_device, resolve_dtype
-from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
 from kvserve.engine.model.model_source import ModelSource, resolve_model
@@ -74,7 +74,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.kv_cache_dtype == "fp8":
         attention = ScaledKVBackend(attention)
     kv_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size, dtype=kv_dtype)
-    runner = ModelRunner(model, model_config, kv_spec, attention, device, tokenizer.eos_token_id)
+    runner = ModelRunner(model, model_config, kv_spec, attention, device,
+                         end_of_generation_ids(model_config, tokenizer.eos_token_id))
     kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(

@@ -15,7 +15,7 @@ import time
 from typing import Sequence
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
@@ -71,6 +71,7 @@ class LLMEngine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.eos_token_ids = end_of_generation_ids(model_config, tokenizer.eos_token_id)
         self.scheduler = scheduler
         self.model_runner = model_runner
         self.max_model_len = max_model_len
@@ -131,7 +132,7 @@ class LLMEngine:
                 request_id=child_request_id(request_id, index),
                 prompt_token_ids=token_ids,
                 sampling_params=params,
-                eos_token_id=self.tokenizer.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
                 priority=priority,
                 parent_id=request_id,

@@ -48,7 +48,7 @@ class ModelRunner:
         kv_spec: KVCacheSpec,
         attention: AttentionBackend,
         device: torch.device,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
     ) -> None:
         self.model = model
         self.model_dtype = next(model.parameters()).dtype
@@ -56,7 +56,7 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.attention = attention
         self.device = device
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         shape = (kv_spec.num_blocks, model_config.num_kv_heads, kv_spec.block_size, model_config.head_dim)
         self.kv_caches = [
@@ -74,7 +74,8 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_id, self.device)
+        batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_ids,
+                                             self.device)
         sampled = self.sampler(logits, batch)
         return ModelRunnerOutput(
             request_ids=[r.request_id for r in sampling],

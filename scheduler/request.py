@@ -36,7 +36,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    # Every token that ends generation (a model may have several, e.g. Llama 3's <|eot_id|>
+    # beside <|end_of_text|>); ignore_eos disables them all.
+    eos_token_ids: tuple[int, ...]
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None

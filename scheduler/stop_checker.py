@@ -19,7 +19,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if request.num_output_tokens >= params.min_tokens:
         if last_token in params.stop_token_ids:
             return _finish(request, FinishReason.STOP, last_token)
-        if not params.ignore_eos and last_token == request.eos_token_id:
+        if not params.ignore_eos and last_token in request.eos_token_ids:
             return _finish(request, FinishReason.STOP, None)
     if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
         return _finish(request, FinishReason.LENGTH, None)

@@ -21,7 +21,8 @@ from kvserve.engine.model.model_errors import (
     UnsupportedArchitectureError,
 )
 
-__all__ = ["ModelConfig", "UnsupportedArchitectureError", "load_model_config", "model_config_from_hf_dict"]
+__all__ = ["ModelConfig", "UnsupportedArchitectureError", "end_of_generation_ids", "load_model_config",
+           "model_config_from_hf_dict"]
 
 # rope_type -> the keys transformers requires for it.
 ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -95,6 +96,15 @@ class ModelConfig:
         if dtype_bytes < 1:
             raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def end_of_generation_ids(config: ModelConfig, tokenizer_eos_token_id: int | None) -> tuple[int, ...]:
+    """Every token that ends a reply: the tokenizer's EOS first, then the model's own list (GGUF
+    eos/eot, config.json and generation_config.json eos_token_id). Instruct models often end turns
+    with a token that is not the tokenizer's EOS (Llama 3's <|eot_id|>), so stopping on one id
+    alone lets such a reply run to max_tokens."""
+    first = () if tokenizer_eos_token_id is None else (tokenizer_eos_token_id,)
+    return tuple(dict.fromkeys(first + config.eos_token_ids))
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -66,7 +66,7 @@ class SamplingBatch:
     max_num_logprobs: int
 
     @classmethod
-    def from_requests(cls, requests: Sequence[ScheduledRequest], vocab_size: int, eos_token_id: int | None,
+    def from_requests(cls, requests: Sequence[ScheduledRequest], vocab_size: int, eos_token_ids: tuple[int, ...],
                       device: torch.device) -> "SamplingBatch":
         """Requests whose `samples` is false (mid-prompt chunks) are skipped: rows correspond to
         the requests that sample, in order."""
@@ -99,7 +99,7 @@ class SamplingBatch:
             seed_hi=tensor([(s >> 32) & _MASK_32 for s in seeds], torch.int64),
             step=tensor([len(r.output_token_ids) & _MASK_32 for r in rows], torch.int64),
             logit_bias=_logit_bias(params, device),
-            banned=_min_tokens_bans(rows, eos_token_id, device),
+            banned=_min_tokens_bans(rows, eos_token_ids, device),
             penalties=_penalties(rows, vocab_size, device),
             num_logprobs=num_logprobs,
             logprob_rows=tensor(logprob_rows, torch.int64) if logprob_rows else None,
@@ -129,18 +129,18 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> SparseLog
                              torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _min_tokens_bans(rows: list[ScheduledRequest], eos_token_id: int | None,
+def _min_tokens_bans(rows: list[ScheduledRequest], eos_token_ids: tuple[int, ...],
                      device: torch.device) -> SparseLogitUpdate | None:
     """While a row has fewer than min_tokens outputs, its stop tokens cannot be drawn. EOS is
-    banned too unless ignore_eos (then EOS does not stop the request, so it need not be held back)."""
+    (every EOS id) banned too unless ignore_eos (then EOS does not stop the request, so it need not be held back)."""
     entries: list[tuple[int, int]] = []
     for i, r in enumerate(rows):
         p = r.sampling_params
         if len(r.output_token_ids) >= p.min_tokens:
             continue
         entries.extend((i, t) for t in p.stop_token_ids)
-        if eos_token_id is not None and not p.ignore_eos:
-            entries.append((i, eos_token_id))
+        if not p.ignore_eos:
+            entries.extend((i, t) for t in eos_token_ids)
     if not entries:
         return None
     row_ids, tokens = zip(*entries)

@@ -30,7 +30,7 @@ def request(params: SamplingParams, *, seed: int = 0, prompt: list[int] | None =
 
 
 def batch_of(requests: list[ScheduledRequest], vocab: int) -> SamplingBatch:
-    return SamplingBatch.from_requests(requests, vocab, EOS, CPU)
+    return SamplingBatch.from_requests(requests, vocab, (EOS,), CPU)
 
 
 def kept(logits: torch.Tensor) -> list[set[int]]:

@@ -44,7 +44,7 @@ def make_request(
         request_id=request_id,
         prompt_token_ids=list(prompt),
         sampling_params=SamplingParams(**params),
-        eos_token_id=eos,
+        eos_token_ids=() if eos is None else (eos,),
         arrival_time=0.0 if arrival is None else arrival,
         priority=priority,
         parent_id=parent_id,
