@@ -15,6 +15,7 @@ from kvserve.server.completions import completions_router
 from kvserve.server.engine_protocol import ServingEngine
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.http_metrics import HttpMetrics, HttpMetricsMiddleware
+from kvserve.server.ignored_fields import IgnoredFieldsHeaderMiddleware
 from kvserve.server.info_routes import kvserve_version, models_router, operations_router
 from kvserve.server.serving_state import ServingState
 from kvserve.server.settings import ServerSettings
@@ -32,6 +33,7 @@ def build_app(engine: ServingEngine | None, settings: ServerSettings, *,
     app.include_router(chat_router(state), dependencies=v1_dependencies)
     app.include_router(models_router(state), dependencies=v1_dependencies)
     app.include_router(operations_router(state, metrics))
+    app.add_middleware(IgnoredFieldsHeaderMiddleware)
     if metrics is not None:
         app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     return app

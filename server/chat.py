@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.disconnect import unless_disconnected
 from kvserve.server.engine_protocol import ServingEngine
+from kvserve.server.ignored_fields import note_ignored_fields
 from kvserve.server.errors import bad_request, check_model, error_from_engine
 from kvserve.server.formatting import chat_logprobs, usage_of
 from kvserve.server.generation import GenerationJob, collect_final, generate_all
@@ -35,6 +36,7 @@ def chat_router(state: ServingState) -> APIRouter:
         engine = state.ready_engine()
         check_model(body.model, engine.config.model_name)
         reject_unsupported_fields(body)
+        note_ignored_fields(request, body)
         top_logprobs = _top_logprobs(body)
         # max_completion_tokens replaced max_tokens in OpenAI's API; either may be sent.
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.disconnect import unless_disconnected
 from kvserve.server.engine_protocol import ServingEngine
+from kvserve.server.ignored_fields import note_ignored_fields
 from kvserve.server.errors import bad_request, check_model, error_from_engine
 from kvserve.server.formatting import completion_logprobs, usage_of
 from kvserve.server.generation import GenerationJob, collect_final, generate_all
@@ -33,6 +34,7 @@ def completions_router(state: ServingState) -> APIRouter:
         engine = state.ready_engine()
         check_model(body.model, engine.config.model_name)
         reject_unsupported_fields(body)
+        note_ignored_fields(request, body)
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs would need prompt logprobs, which this server does "
                               "not compute; drop one of them.", "echo")

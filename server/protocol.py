@@ -12,7 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # Fields OpenAI defines that we do not implement, with the values that mean "not used" (clients
-# and load testers often send those explicitly). Anything else gets a 400 that says so.
+# and load testers often send those explicitly); any other value gets a 400 that says so. Fields
+# nobody defines are ignored (server/ignored_fields.py).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -34,6 +35,7 @@ IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parall
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk, not only the last one
 
 
 class SamplingFields(BaseModel):

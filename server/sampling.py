@@ -12,18 +12,20 @@ from dataclasses import replace
 from kvserve.engine import SamplingParams, SamplingParamsError
 from kvserve.server.errors import bad_request
 from kvserve.server.limits import ServerLimits
-from kvserve.server.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, SamplingFields
+from kvserve.server.protocol import UNSUPPORTED_FIELDS, SamplingFields
 
 
 def reject_unsupported_fields(request: SamplingFields) -> None:
+    """OpenAI fields we know but do not implement get a 400 unless their value means "not used";
+    unknown fields are ignored (see ignored_fields.py)."""
     for name, value in (request.model_extra or {}).items():
-        if name in IGNORED_FIELDS:
-            continue
         if name in UNSUPPORTED_FIELDS:
             if value in UNSUPPORTED_FIELDS[name] or (name == "best_of" and value == request.n):
                 continue
             raise bad_request(f"'{name}' is not supported by this server; remove it from the request.", name)
-        raise bad_request(f"Unrecognized request argument supplied: '{name}'.", name)
+    if request.stream_options is not None and not request.stream:
+        # OpenAI's behaviour: options for a stream make no sense without one.
+        raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
 
 
 def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,

@@ -54,10 +54,9 @@ async def test_completion_stream_echo_and_logprobs(client: httpx.AsyncClient) ->
 
 
 async def test_chat_stream_role_first_then_content_then_finish(client: httpx.AsyncClient) -> None:
-    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 2,
-               "stream_options": {"include_usage": True}}
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 2}
     whole = (await client.post("/v1/chat/completions", json=request)).json()
-    chunks = await stream(client, "/v1/chat/completions", request)
+    chunks = await stream(client, "/v1/chat/completions", {**request, "stream_options": {"include_usage": True}})
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     firsts = [c["choices"][0] for c in chunks[:2]]
     assert [f["delta"] for f in firsts] == [{"role": "assistant", "content": ""}] * 2
