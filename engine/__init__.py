@@ -10,7 +10,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine, PromptTooLongError
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
 from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
 from kvserve.scheduler import FinishReason, SamplingParams, SamplingParamsError, TokenLogprobs
@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "RequestOutput",
     "CompletionOutput",
+    "OutputAccumulator",
     "FinishReason",
     "TokenLogprobs",
     "SamplingParams",

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import OutputAccumulator, RequestOutput
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -79,12 +79,14 @@ class LLM:
             self.engine.add_request(request_id, prompt, params)
             ids.append(request_id)
 
+        running = {request_id: OutputAccumulator() for request_id in ids}
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as progress:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+                for delta in self.engine.step():
+                    running[delta.request_id].add(delta)
+                    if delta.finished:
+                        finished[delta.request_id] = running.pop(delta.request_id).result()
                         progress.update(1)
         return [finished[request_id] for request_id in ids]
 

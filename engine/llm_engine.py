@@ -4,7 +4,7 @@
     runner_output    = model_runner.execute(scheduler_output)
     updates          = scheduler.update_from_output(scheduler_output, runner_output)
 
-plus what the user sees: detokenized, stop-string-checked RequestOutputs and stats records.
+plus what the user sees: detokenized, stop-string-checked RequestOutput deltas and stats records.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class LLMEngine:
         return params.seed & _SEED_MASK if index == 0 else hash((params.seed, index)) & _SEED_MASK
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
-        """Aborts requests (unknown or finished ids are ignored) and returns their final outputs."""
+        """Aborts requests (unknown or finished ids are ignored) and returns their last deltas."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         now = time.monotonic()
         outputs = []
@@ -165,7 +165,9 @@ class LLMEngine:
             self.scheduler.finish_requests(children, FinishReason.ABORT)
             for child in children:
                 self._emit_finished(self.tracker.on_finished(child, FinishReason.ABORT.value, None, now))
-            outputs.append(group.output())
+            output = group.take_output()
+            if output is not None:
+                outputs.append(output)
             self.tracker.pop_if_finished(group)
         return outputs
 
@@ -179,6 +181,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        """Runs one model step; returns a delta for each request that gained text or finished."""
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -204,8 +207,11 @@ class LLMEngine:
                 reason = request.finish_reason.value if request.finish_reason else FinishReason.STOP.value
                 self._emit_finished(self.tracker.on_finished(child_id, reason, request.stop_reason, now))
 
-        outputs = [group.output() for group in touched.values()]
+        outputs = []
         for group in touched.values():
+            output = group.take_output()
+            if output is not None:
+                outputs.append(output)
             self.tracker.pop_if_finished(group)
         self._emit_step(scheduler_output, start, time.monotonic())
         return outputs

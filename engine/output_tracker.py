@@ -1,17 +1,19 @@
-"""Turns the scheduler's per-token updates into user-facing RequestOutputs.
+"""Turns the scheduler's per-token updates into user-facing RequestOutput deltas.
 
 One user request with n completions becomes n scheduler Requests (ids "<id>#<index>"); this
 module groups them back, detokenizes each completion incrementally, finds stop strings, and
-records the timestamps metrics need.
+records the timestamps metrics need. Each completion buffers only what is new since its last
+report; `RequestGroup.take_output` hands that over and starts a fresh buffer, so the work per
+step is proportional to the new tokens, never to the output so far.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.text.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.engine.stats import FinishedRequestStats
+from kvserve.engine.text.detokenizer import IncrementalDetokenizer
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler.output import TokenLogprobs
 from kvserve.scheduler.request import Request
@@ -26,23 +28,34 @@ class CompletionState:
     request: Request
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
-    logprobs: list[TokenLogprobs] | None
-    text: str = ""
+    wants_logprobs: bool
+    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Not yet reported: text pieces, token ids, logprobs, and whether the finish was reported.
+    new_text: list[str] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reported: bool = False
 
-    def output(self) -> CompletionOutput:
-        token_ids = list(self.request.output_token_ids)
-        cumulative = sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None
-        return CompletionOutput(
+    @property
+    def has_news(self) -> bool:
+        return bool(self.new_token_ids or self.new_text) or (
+            self.finish_reason is not None and not self.finish_reported)
+
+    def take_delta(self) -> CompletionOutput:
+        delta = CompletionOutput(
             index=self.request.index,
-            text=self.text,
-            token_ids=token_ids,
+            text="".join(self.new_text),
+            token_ids=self.new_token_ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            cumulative_logprob=cumulative,
+            logprobs=self.new_logprobs if self.wants_logprobs else None,
+            cumulative_logprob=self.cumulative_logprob if self.wants_logprobs else None,
         )
+        self.new_text, self.new_token_ids, self.new_logprobs = [], [], []
+        self.finish_reported = self.finish_reason is not None
+        return delta
 
     def finished_stats(self, now: float) -> FinishedRequestStats:
         times = self.metrics.token_times
@@ -71,13 +84,17 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def output(self) -> RequestOutput:
-        cached = max((c.request.num_cached_tokens for c in self.completions), default=0)
+    def take_output(self) -> RequestOutput | None:
+        """The group's news since its last report, or None when there is none."""
+        news = [c.take_delta() for c in self.completions if c.has_news]
+        if not news:
+            return None
+        cached = max(c.request.num_cached_tokens for c in self.completions)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.output() for c in self.completions],
+            outputs=news,
             finished=self.finished,
             num_cached_tokens=max(cached, 0),
             metrics=self.completions[0].metrics,
@@ -104,7 +121,7 @@ class OutputTracker:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 ),
                 metrics=RequestMetrics(arrival_time=request.arrival_time),
-                logprobs=[] if params.logprobs is not None else None,
+                wants_logprobs=params.logprobs is not None,
             )
             group.completions.append(state)
             self.completions[request.request_id] = (group, state)
@@ -124,22 +141,30 @@ class OutputTracker:
     ) -> str | None:
         """Records new tokens; returns the stop string if the text now contains one."""
         group, state = self.completions[child_id]
+        if not token_ids:
+            return None
         metrics = state.metrics
-        if token_ids:
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            metrics.token_times.extend([now] * len(token_ids))
-        if state.logprobs is not None:
-            state.logprobs.extend(lp for lp in logprobs if lp is not None)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.token_times.extend([now] * len(token_ids))
+        state.new_token_ids.extend(token_ids)
+        if state.wants_logprobs:
+            for entry in logprobs:
+                if entry is not None:
+                    state.new_logprobs.append(entry)
+                    state.cumulative_logprob += entry.logprob
         update = state.detokenizer.append(token_ids)
-        state.text += update.new_text
+        if update.new_text:
+            state.new_text.append(update.new_text)
         return update.stop_string
 
     def on_finished(self, child_id: str, reason: str, stop_reason: int | str | None, now: float) -> FinishedRequestStats:
         group, state = self.completions[child_id]
         if state.finish_reason is None:
-            state.text += state.detokenizer.flush()  # held-back text; empty after a stop string
+            held_back = state.detokenizer.flush()  # empty after a stop string
+            if held_back:
+                state.new_text.append(held_back)
             state.finish_reason = reason
             state.stop_reason = stop_reason
             state.metrics.finished_time = now

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
-
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
+from pydantic import BaseModel
 
-from kvserve.engine.outputs import RequestOutput
-from kvserve.server.disconnect import unless_disconnected
-from kvserve.server.engine_protocol import ServingEngine
-from kvserve.server.ignored_fields import note_ignored_fields
-from kvserve.server.errors import bad_request, check_model, error_from_engine
-from kvserve.server.formatting import completion_logprobs, usage_of
-from kvserve.server.generation import GenerationJob, collect_final, generate_all
+from kvserve.server.engine_protocol import ServingTokenizer
+from kvserve.server.errors import bad_request
+from kvserve.server.formatting import completion_logprobs
+from kvserve.server.generation import GenerationJob
 from kvserve.server.prompts import completion_prompts, resolve_max_tokens
-from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, new_id, now_s
-from kvserve.server.request_body import parse_body, read_json_body
-from kvserve.server.sampling import build_sampling_params, reject_unsupported_fields, with_max_tokens
+from kvserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, new_id, now_s
+from kvserve.server.responder import Choice, read_generation_request, respond
+from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
-from kvserve.server.streaming import DONE_EVENT, EventStreamResponse, sse_event
 
 
 def completions_router(state: ServingState) -> APIRouter:
@@ -30,11 +23,7 @@ def completions_router(state: ServingState) -> APIRouter:
     @router.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         limits = state.settings.limits
-        body = parse_body(CompletionRequest, await read_json_body(request, limits.max_body_bytes))
-        engine = state.ready_engine()
-        check_model(body.model, engine.config.model_name)
-        reject_unsupported_fields(body)
-        note_ignored_fields(request, body)
+        body, engine = await read_generation_request(request, state, CompletionRequest)
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs would need prompt logprobs, which this server does "
                               "not compute; drop one of them.", "echo")
@@ -48,99 +37,55 @@ def completions_router(state: ServingState) -> APIRouter:
                                                                    engine.max_model_len, limits)))
             for i, p in enumerate(prompts)
         ]
-        admission = state.admit(len(jobs) * body.n)
-        view = _CompletionView(engine, body, response_id, now_s(), engine.config.model_name, jobs)
-        if body.stream:
-            return EventStreamResponse(view.stream(state.abort_all), on_close=admission.release)
-        try:
-            outputs = await unless_disconnected(request, collect_final(engine, jobs, state.abort_all))
-        except Exception as error:
-            raise error_from_engine(error, engine.is_dead) from error
-        finally:
-            admission.release()
-        return JSONResponse(view.response(outputs).model_dump())
+        formatter = _CompletionFormatter(body, engine.tokenizer, jobs, response_id, now_s(),
+                                         engine.config.model_name)
+        return await respond(request, state, engine, jobs, body, formatter)
 
     return router
 
 
-class _CompletionView:
-    """Renders one request's engine outputs as OpenAI completion objects or stream chunks."""
+class _CompletionFormatter:
+    """Completion objects, and chunks that open with the echoed prompts when asked to."""
 
-    def __init__(self, engine: ServingEngine, body: CompletionRequest, response_id: str, created: int,
-                 model: str, jobs: list[GenerationJob]) -> None:
-        self.engine = engine
+    def __init__(self, body: CompletionRequest, tokenizer: ServingTokenizer, jobs: list[GenerationJob],
+                 response_id: str, created: int, model: str) -> None:
         self.body = body
-        self.response_id = response_id
-        self.created = created
-        self.model = model
+        self.tokenizer = tokenizer
         self.jobs = jobs
+        self.header = {"id": response_id, "created": created, "model": model}
+        self._text_offset: dict[int, int] = {}  # per streamed choice: characters sent so far
 
-    def _choice_index(self, job_index: int, completion_index: int) -> int:
-        return job_index * self.body.n + completion_index
+    def _with(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(**self.header, choices=choices, usage=usage)
 
-    def _echo(self, job_index: int) -> str:
-        return self.jobs[job_index].prompt_text if self.body.echo else ""
+    def opening_chunks(self) -> list[BaseModel]:
+        if not self.body.echo:
+            return []
+        return [self._with([CompletionChoice(index=job_index * self.body.n + c, text=job.prompt_text)])
+                for job_index, job in enumerate(self.jobs) for c in range(self.body.n)]
 
-    def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
-        choices = []
-        for job_index, output in enumerate(outputs):
-            for completion in output.outputs:
-                logprobs = None
-                if self.body.logprobs is not None:
-                    logprobs = completion_logprobs(completion.logprobs or [], self.engine.tokenizer, 0,
-                                                   self.body.logprobs)
-                choices.append(CompletionChoice(
-                    index=self._choice_index(job_index, completion.index),
-                    text=self._echo(job_index) + completion.text, logprobs=logprobs,
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
-        choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage_of(outputs))
+    def chunk(self, choice: Choice) -> BaseModel:
+        delta = choice.output
+        logprobs = None
+        if self.body.logprobs is not None:
+            offset = self._text_offset.get(choice.index, 0)
+            logprobs = completion_logprobs(delta.logprobs or [], self.tokenizer, offset, self.body.logprobs)
+            self._text_offset[choice.index] = offset + sum(len(t) for t in logprobs.tokens)
+        return self._with([CompletionChoice(index=choice.index, text=delta.text, logprobs=logprobs,
+                                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
 
-    def _chunk(self, choice: CompletionChoice) -> str:
-        return sse_event(CompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                            choices=[choice]))
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._with([], usage)
 
-    async def stream(self, abort_all: asyncio.Event) -> AsyncGenerator[str, None]:
-        sent_chars: dict[int, int] = {}
-        sent_logprobs: dict[int, int] = {}
-        text_offset: dict[int, int] = {}
-        done: set[int] = set()
-        latest: dict[int, RequestOutput] = {}
-        if self.body.echo:
-            for job_index, job in enumerate(self.jobs):
-                for c in range(self.body.n):
-                    yield self._chunk(CompletionChoice(index=self._choice_index(job_index, c), text=job.prompt_text))
-        try:
-            async with aclosing(generate_all(self.engine, self.jobs, abort_all)) as updates:
-                async for update in updates:
-                    latest[update.job_index] = update.output
-                    for completion in update.output.outputs:
-                        index = self._choice_index(update.job_index, completion.index)
-                        if index in done:
-                            continue
-                        delta = completion.text[sent_chars.get(index, 0):]
-                        entries = (completion.logprobs or [])[sent_logprobs.get(index, 0):]
-                        if not delta and not entries and completion.finish_reason is None:
-                            continue
-                        logprobs = None
-                        if self.body.logprobs is not None:
-                            logprobs = completion_logprobs(entries, self.engine.tokenizer,
-                                                           text_offset.get(index, 0), self.body.logprobs)
-                            text_offset[index] = text_offset.get(index, 0) + sum(len(t) for t in logprobs.tokens)
-                        sent_chars[index] = len(completion.text)
-                        sent_logprobs[index] = len(completion.logprobs or [])
-                        if completion.finish_reason is not None:
-                            done.add(index)
-                        yield self._chunk(CompletionChoice(index=index, text=delta, logprobs=logprobs,
-                                                           finish_reason=completion.finish_reason,
-                                                           stop_reason=completion.stop_reason))
-        except Exception as error:  # after the first byte, an error can only be an event
-            yield sse_event(error_from_engine(error, self.engine.is_dead).body())
-            yield DONE_EVENT
-            return
-        if self.body.include_usage:
-            usage = usage_of([latest[i] for i in sorted(latest)])
-            yield sse_event(CompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                               choices=[], usage=usage))
-        yield DONE_EVENT
+    def response(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        rendered = []
+        for choice in choices:
+            completion = choice.output
+            logprobs = None
+            if self.body.logprobs is not None:
+                logprobs = completion_logprobs(completion.logprobs or [], self.tokenizer, 0, self.body.logprobs)
+            echo = choice.job.prompt_text if self.body.echo else ""
+            rendered.append(CompletionChoice(index=choice.index, text=echo + completion.text, logprobs=logprobs,
+                                             finish_reason=completion.finish_reason,
+                                             stop_reason=completion.stop_reason))
+        return self._with(rendered, usage)

@@ -1,7 +1,7 @@
 """Runs one HTTP request's prompts through the engine concurrently and merges their outputs.
 
-Each prompt gets its own task pumping `engine.generate` into one queue, so a batched request's
-prompts progress together. Leaving the iteration early (client gone, cancellation) cancels the
+Each prompt gets its own task pumping `engine.generate` (per-step deltas) into one queue, so a
+batched request's prompts progress together. Leaving the iteration early (client gone, cancellation) cancels the
 pumps, which makes the engine abort those requests and free their blocks. When the server's drain
 grace period runs out (`abort_all`), unfinished completions end with finish_reason "abort".
 """
@@ -9,7 +9,6 @@ grace period runs out (`abort_all`), unfinished completions end with finish_reas
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,7 +27,7 @@ class GenerationJob:
 @dataclass(frozen=True)
 class GenerationUpdate:
     job_index: int
-    output: RequestOutput  # cumulative, as the engine reports it
+    output: RequestOutput  # a delta, as the engine reports it
 
 
 @dataclass(frozen=True)
@@ -91,24 +90,14 @@ async def generate_all(engine: ServingEngine, jobs: Sequence[GenerationJob],
         await _cancel(tasks)
 
 
-async def collect_final(engine: ServingEngine, jobs: Sequence[GenerationJob],
-                        abort_all: asyncio.Event) -> list[RequestOutput]:
-    """The final output of each job, in job order (for non-streaming responses)."""
-    final: dict[int, RequestOutput] = {}
-    async with aclosing(generate_all(engine, jobs, abort_all)) as updates:
-        async for update in updates:
-            final[update.job_index] = update.output
-    return [final[i] if i in final else aborted_output(job, None) for i, job in enumerate(jobs)]
-
-
 def aborted_output(job: GenerationJob, last: RequestOutput | None) -> RequestOutput:
-    """The final output of a request the server stopped: what was generated so far, with every
-    unfinished completion marked "abort"."""
+    """The last delta of a request the server stopped: every completion marked "abort" (the
+    caller's accumulator ignores the ones that had already finished)."""
+    completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason=FinishReason.ABORT.value)
+                   for i in range(job.params.n)]
     if last is None:
-        completions = [CompletionOutput(index=i, text="", token_ids=[]) for i in range(job.params.n)]
-        last = RequestOutput(request_id=job.request_id, prompt=job.prompt_text,
-                             prompt_token_ids=job.prompt_token_ids, outputs=completions, finished=False)
-    completions = [c if c.finished else replace(c, finish_reason=FinishReason.ABORT.value) for c in last.outputs]
+        return RequestOutput(request_id=job.request_id, prompt=job.prompt_text,
+                             prompt_token_ids=job.prompt_token_ids, outputs=completions, finished=True)
     return replace(last, outputs=completions, finished=True)
 
 

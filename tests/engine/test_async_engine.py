@@ -53,7 +53,7 @@ class ScriptedEngine:
         for request_id, tokens in list(self.requests.items()):
             tokens.append(len(tokens))
             done = len(tokens) == self.tokens_per_request
-            outputs.append(self._output(request_id, list(tokens), "length" if done else None))
+            outputs.append(self._output(request_id, [tokens[-1]], "length" if done else None))  # a delta
             if done:
                 del self.requests[request_id]
         return outputs
@@ -90,7 +90,7 @@ def test_outputs_stream_to_each_request(run):
         return await asyncio.wait_for(asyncio.gather(collect(engine, "a"), collect(engine, "b")), 10)
 
     a, b = asyncio.run(main())
-    assert [o.outputs[0].token_ids for o in a] == [[0], [0, 1], [0, 1, 2]]
+    assert [o.outputs[0].token_ids for o in a] == [[0], [1], [2]]
     assert a[-1].finished and b[-1].finished
     assert engine.num_unfinished_requests == 0
 

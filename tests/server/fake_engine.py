@@ -51,6 +51,12 @@ def expected_token(prompt_ids: Sequence[int], step: int, completion: int) -> int
     return ord("a") + (sum(prompt_ids) + 7 * step + 3 * completion) % 26 + 1
 
 
+def _without_stop_prefix(text: str, stops: Sequence[str]) -> str:
+    """Holds back a tail that may be the start of a stop string, as the real detokenizer does."""
+    held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return text[: len(text) - held]
+
+
 class FakeEngine:
     def __init__(self, *, max_model_len: int = 128, max_num_seqs: int = 4, step_delay: float = 0.0,
                  model: str = MODEL) -> None:
@@ -105,8 +111,6 @@ class FakeEngine:
         tokens: list[list[int]] = [[] for _ in range(params.n)]
         texts = [""] * params.n
         reasons: list[str | None] = [None] * params.n
-        stop_reasons: list[str | None] = [None] * params.n
-        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(params.n)]
         completed = False
         try:
             for step in range(params.max_tokens):
@@ -115,29 +119,34 @@ class FakeEngine:
                     await self.gate.wait()
                 if self.dead_error is not None:
                     raise EngineDeadError(f"the engine failed: {self.dead_error}")
+                deltas = []
                 for c in range(params.n):
                     if reasons[c] is not None:
                         continue
                     token = expected_token(ids, step, c)
                     tokens[c].append(token)
+                    logprobs = None
                     if params.logprobs is not None:
                         top = [(token, -0.25)] + [(ord("A") + k + 1, -2.0 - k) for k in range(params.logprobs)]
-                        logprobs[c].append(TokenLogprobs(token, -0.25, 1, top[: params.logprobs]))
+                        logprobs = [TokenLogprobs(token, -0.25, 1, top[: params.logprobs])]
                     text = self.tokenizer.decode(tokens[c])
                     hit = next((s for s in params.stop if s in text), None)
+                    stop_reason = None
                     if hit is not None:
                         text = text[: text.index(hit)] + (hit if params.include_stop_str_in_output else "")
-                        reasons[c], stop_reasons[c] = "stop", hit
+                        reasons[c], stop_reason = "stop", hit
                     elif len(tokens[c]) == params.max_tokens:
                         reasons[c] = "length"
+                    if reasons[c] is None:
+                        text = _without_stop_prefix(text, params.stop)
+                    # Like the real engine, report only what is new since the last step.
+                    deltas.append(CompletionOutput(index=c, text=text[len(texts[c]):], token_ids=[token],
+                                                   finish_reason=reasons[c], stop_reason=stop_reason,
+                                                   logprobs=logprobs))
                     texts[c] = text
                 done = all(r is not None for r in reasons)
-                yield RequestOutput(
-                    request_id=request_id, prompt=None, prompt_token_ids=ids, finished=done, num_cached_tokens=0,
-                    outputs=[CompletionOutput(index=c, text=texts[c], token_ids=list(tokens[c]),
-                                              finish_reason=reasons[c], stop_reason=stop_reasons[c],
-                                              logprobs=list(logprobs[c]) if params.logprobs is not None else None)
-                             for c in range(params.n)])
+                yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, finished=done,
+                                    num_cached_tokens=0, outputs=deltas)
                 if done:
                     completed = True
                     return

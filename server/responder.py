@@ -1,0 +1,144 @@
+"""The one path from admitted jobs to an HTTP answer, shared by /v1/completions and
+/v1/chat/completions: stream the engine's deltas as SSE chunks, or collect them into one JSON
+response. What differs between the endpoints (object shapes, echo, the role chunk, the two
+logprobs formats) lives in a small `ResponseFormatter` per endpoint.
+
+    engine deltas ──► generate_all ──► OutputAccumulator per job ──┬─► formatter.chunk  (stream)
+                                                                    └─► formatter.response (collect)
+
+A choice's index in the response is job_index * n + completion index, so a batched completions
+request numbers its choices prompt by prompt, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from kvserve.engine import CompletionOutput, OutputAccumulator, RequestOutput
+from kvserve.server.disconnect import unless_disconnected
+from kvserve.server.engine_protocol import ServingEngine
+from kvserve.server.errors import check_model, error_from_engine
+from kvserve.server.formatting import usage_of
+from kvserve.server.ignored_fields import note_ignored_fields
+from kvserve.server.generation import GenerationJob, generate_all
+from kvserve.server.protocol import SamplingFields, Usage
+from kvserve.server.request_body import parse_body, read_json_body
+from kvserve.server.sampling import reject_unsupported_fields
+from kvserve.server.serving_state import Admission, ServingState
+from kvserve.server.streaming import DONE_EVENT, EventStreamResponse, sse_event
+
+BodyT = TypeVar("BodyT", bound=SamplingFields)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One completion as the response numbers it: a stream delta, or the whole collected output."""
+
+    index: int
+    job: GenerationJob
+    output: CompletionOutput
+
+
+class ResponseFormatter(Protocol):
+    def opening_chunks(self) -> list[BaseModel]:
+        """Chunks a stream starts with, before any generated text."""
+
+    def chunk(self, choice: Choice) -> BaseModel:
+        """One stream chunk for a completion's delta."""
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        """The stream's last chunk when the client asked for usage."""
+
+    def response(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        """The whole non-streaming response; `choices` are in index order."""
+
+
+async def read_generation_request(request: Request, state: ServingState, body_type: type[BodyT]
+                                  ) -> tuple[BodyT, ServingEngine]:
+    """Parses the body and checks what every generation endpoint checks before its own fields."""
+    body = parse_body(body_type, await read_json_body(request, state.settings.limits.max_body_bytes))
+    engine = state.ready_engine()
+    check_model(body.model, engine.config.model_name)
+    reject_unsupported_fields(body)
+    note_ignored_fields(request, body)
+    return body, engine
+
+
+async def respond(request: Request, state: ServingState, engine: ServingEngine, jobs: Sequence[GenerationJob],
+                  body: SamplingFields, formatter: ResponseFormatter) -> Response:
+    """Admits the jobs' sequences and answers as a stream or as one response."""
+    admission = state.admit(len(jobs) * body.n)
+    run = _Run(engine, jobs, body.n, formatter, state.abort_all)
+    if body.stream:
+        return EventStreamResponse(run.stream(body.include_usage), on_close=admission.release)
+    return await _collect(request, run, admission)
+
+
+async def _collect(request: Request, run: _Run, admission: Admission) -> Response:
+    try:
+        await unless_disconnected(request, run.drain())
+    except Exception as error:
+        raise error_from_engine(error, run.engine.is_dead) from error
+    finally:
+        admission.release()
+    outputs = run.results()
+    return JSONResponse(run.formatter.response(run.final_choices(outputs), usage_of(outputs)).model_dump())
+
+
+class _Run:
+    def __init__(self, engine: ServingEngine, jobs: Sequence[GenerationJob], n: int, formatter: ResponseFormatter,
+                 abort_all: asyncio.Event) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.n = n
+        self.formatter = formatter
+        self.abort_all = abort_all
+        self.accumulators = [OutputAccumulator() for _ in jobs]
+
+    async def deltas(self) -> AsyncGenerator[Choice, None]:
+        """Each completion's news in arrival order, none after the completion has finished."""
+        async with aclosing(generate_all(self.engine, self.jobs, self.abort_all)) as updates:
+            async for update in updates:
+                job = self.jobs[update.job_index]
+                for completion in self.accumulators[update.job_index].add(update.output):
+                    yield Choice(update.job_index * self.n + completion.index, job, completion)
+
+    async def drain(self) -> None:
+        async with aclosing(self.deltas()) as deltas:
+            async for _ in deltas:
+                pass
+
+    def results(self) -> list[RequestOutput]:
+        return [accumulator.result() for accumulator in self.accumulators]
+
+    def final_choices(self, outputs: list[RequestOutput]) -> list[Choice]:
+        choices = [Choice(job_index * self.n + c.index, self.jobs[job_index], c)
+                   for job_index, output in enumerate(outputs) for c in output.outputs]
+        return sorted(choices, key=lambda choice: choice.index)
+
+    async def stream(self, include_usage: bool) -> AsyncGenerator[str, None]:
+        for chunk in self.formatter.opening_chunks():
+            yield sse_event(chunk)
+        try:
+            async with aclosing(self.deltas()) as deltas:
+                async for choice in deltas:
+                    delta = choice.output
+                    # A token whose text is still held back (a possible stop string, a partial
+                    # character) makes no chunk unless it carries logprobs.
+                    if delta.text or delta.logprobs or delta.finished:
+                        yield sse_event(self.formatter.chunk(choice))
+        except Exception as error:  # after the first byte, an error can only be an event
+            yield sse_event(error_from_engine(error, self.engine.is_dead).body())
+            yield DONE_EVENT
+            return
+        if include_usage:
+            yield sse_event(self.formatter.usage_chunk(usage_of(self.results())))
+        yield DONE_EVENT
