@@ -26,7 +26,7 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.stats import StatsListener
+from kvserve.engine.stats import EngineLoad, StatsListener
 from kvserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.dead_error: BaseException | None = None
+        # Republished by the engine thread after every loop iteration (an atomic reference swap),
+        # so readers on other threads always see one consistent snapshot.
+        self._load = engine.load()
 
     @classmethod
     def from_config(cls, config: EngineConfig, stats_listeners: Sequence[StatsListener] = ()) -> "AsyncEngine":
@@ -103,6 +106,11 @@ class AsyncEngine:
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def load(self) -> EngineLoad:
+        """Requests and KV blocks as of the engine loop's last iteration (at most one step old)."""
+        return self._load
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -197,6 +205,7 @@ class AsyncEngine:
                     self._commands.get()()
                 for output in self.engine.step():
                     self._deliver(output)
+                self._load = self.engine.load()
         except BaseException as error:  # noqa: BLE001 - any failure must reach the waiting clients
             logger.exception("engine loop failed; marking the engine dead")
             self._fail_all(error)

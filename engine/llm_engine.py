@@ -20,7 +20,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling.sampling_batch import check_token_ids_in_vocab
-from kvserve.engine.stats import StatsListener, StepStats
+from kvserve.engine.stats import EngineLoad, StatsListener, StepStats
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler import Scheduler
 from kvserve.scheduler.output import SchedulerOutput
@@ -177,6 +177,12 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.tracker.groups)
+
+    def load(self) -> EngineLoad:
+        """A snapshot of requests and KV blocks; call it on the thread that steps the engine."""
+        kv = self.scheduler.kv_cache_manager.stats()
+        return EngineLoad(self.scheduler.num_running, self.scheduler.num_waiting, kv.blocks_total,
+                          kv.blocks_used, kv.blocks_cached, kv.blocks_free)
 
     # ------------------------------------------------------------------ the step
 

@@ -35,6 +35,24 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds right now: the gauges' source of truth. Taken on the engine thread
+    between steps (so it is consistent) and read by the metrics endpoint at scrape time, so the
+    gauges stay true when requests leave without a step (aborts, disconnects, timeouts)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_blocks_free: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
 class FinishedRequestStats:
     """One finished completion (each of n > 1 completions counts as one)."""
 

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine import RequestOutput, SamplingParams
+from kvserve.engine.stats import EngineLoad
 
 
 class ServingTokenizer(Protocol):
@@ -39,6 +40,9 @@ class ServingEngine(Protocol):
 
     @property
     def dead_error(self) -> BaseException | None: ...
+
+    @property
+    def load(self) -> EngineLoad: ...
 
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
                  *, priority: int = 0) -> AsyncIterator[RequestOutput]: ...

@@ -10,6 +10,8 @@ import time
 from typing import Protocol
 
 from starlette.routing import Route
+
+from kvserve.engine.stats import EngineLoad
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNMATCHED_ROUTE = "unmatched"
@@ -19,6 +21,8 @@ class HttpMetrics(Protocol):
     def observe_http(self, route: str, method: str, status: int, duration_s: float) -> None: ...
 
     def count_error(self, code: int) -> None: ...
+
+    def observe_load(self, load: EngineLoad) -> None: ...
 
     def render(self) -> tuple[bytes, str]: ...
 

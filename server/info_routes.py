@@ -87,6 +87,9 @@ def operations_router(state: ServingState, metrics: HttpMetrics | None) -> APIRo
 
         @router.get("/metrics")
         async def prometheus_metrics() -> Response:
+            # Gauges are read from the engine now, not left at the last step's values.
+            if state.engine is not None:
+                exporter.observe_load(state.engine.load)
             body, content_type = exporter.render()
             return Response(body, media_type=content_type)
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from kvserve.engine.stats import FinishedRequestStats, StepStats
+from kvserve.engine.stats import EngineLoad, FinishedRequestStats, StepStats
 
 # Buckets span a slow CPU deployment (a 135M model decodes at ~30 ms/token and a long prompt can
 # queue for minutes) and a fast GPU one (single-millisecond steps), so both see useful quantiles.
@@ -141,12 +141,8 @@ class ServerMetrics:
     # --- StatsListener -------------------------------------------------------------------------
 
     def on_step(self, stats: StepStats) -> None:
-        self._running.set(stats.num_running)
-        self._waiting.set(stats.num_waiting)
-        self._kv_usage.set(stats.kv_usage)
-        self._kv_blocks["free"].set(stats.kv_blocks_free)
-        self._kv_blocks["used"].set(stats.kv_blocks_used)
-        self._kv_blocks["cached"].set(stats.kv_blocks_cached)
+        self.observe_load(EngineLoad(stats.num_running, stats.num_waiting, stats.kv_blocks_total,
+                                     stats.kv_blocks_used, stats.kv_blocks_cached, stats.kv_blocks_free))
         self._prompt_tokens.inc(stats.num_prompt_tokens)
         self._generation_tokens.inc(stats.num_generation_tokens)
         self._preemptions.inc(stats.num_preempted)
@@ -174,6 +170,16 @@ class ServerMetrics:
                 self._decode.observe(stats.last_token_time - stats.first_token_time)
         for gap in stats.inter_token_latencies:
             self._itl.observe(gap)
+
+    def observe_load(self, load: EngineLoad) -> None:
+        """Set the gauges. Steps do it, and so does every scrape (from the engine's live load):
+        requests can leave without a step (aborts, disconnects), and an idle engine steps no more."""
+        self._running.set(load.num_running)
+        self._waiting.set(load.num_waiting)
+        self._kv_usage.set(load.kv_usage)
+        self._kv_blocks["free"].set(load.kv_blocks_free)
+        self._kv_blocks["used"].set(load.kv_blocks_used)
+        self._kv_blocks["cached"].set(load.kv_blocks_cached)
 
     # --- HTTP layer ----------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import pytest
 
 from kvserve.engine import AsyncEngine, EngineDeadError, SamplingParams
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.stats import EngineLoad
 
 
 class ScriptedEngine:
@@ -44,6 +45,9 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self.requests), 0, 8, len(self.requests), 0, 8 - len(self.requests))
 
     def step(self) -> list[RequestOutput]:
         self.steps += 1

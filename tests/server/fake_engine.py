@@ -13,6 +13,7 @@ import torch
 from kvserve.engine.text.chat_template import ChatTemplateError
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.stats import EngineLoad
 from kvserve.scheduler.output import TokenLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -86,6 +87,12 @@ class FakeEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.active)
+
+    @property
+    def load(self) -> EngineLoad:
+        """One block per active request: enough for the gauges to follow the traffic."""
+        used = len(self.active)
+        return EngineLoad(used, 0, self.num_kv_blocks, used, 0, self.num_kv_blocks - used)
 
     def start(self) -> None:
         self.running = True
