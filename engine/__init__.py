@@ -10,9 +10,10 @@ from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine, PromptTooLongError
+from kvserve.engine.model.model_shape import resolve_model_shape
 from kvserve.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
-from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
+from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size
 from kvserve.scheduler import FinishReason, SamplingParams, SamplingParamsError, TokenLogprobs
 
 __all__ = [

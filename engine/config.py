@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.paging import SUPPORTED_BLOCK_SIZES
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 

@@ -22,7 +22,7 @@ from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.scaled_kv_backend import ScaledKVBackend
 from kvserve.kernels import FP8_KV_DTYPE, select_attention_backend
 from kvserve.paging import KVCacheManager
-from kvserve.paging.kv_sizing import ModelShape, plan_num_kv_blocks
+from kvserve.paging.kv_sizing import plan_num_kv_blocks
 from kvserve.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -60,15 +60,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"{model_config.max_position_embeddings}",
         )
     kv_dtype = FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else dtype
-    shape = ModelShape(config.model, model_config.num_layers, model_config.num_heads,
-                       model_config.num_kv_heads, model_config.head_dim)
-    kv_dtype_name = "fp8" if config.kv_cache_dtype == "fp8" else str(kv_dtype).removeprefix("torch.")
+    shape = model_config.kv_shape(config.model)
     num_blocks = plan_num_kv_blocks(
-        shape, kv_dtype_name, config.block_size, max_model_len,
+        shape, kv_dtype.itemsize, config.block_size, max_model_len,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=None if config.num_kv_blocks is not None else (config.kv_cache_memory or default_kv_cache_bytes(device)),
     )
-    block_bytes = shape.bytes_per_block(kv_dtype_name, config.block_size)
+    block_bytes = shape.bytes_per_block(kv_dtype.itemsize, config.block_size)
 
     attention = select_attention_backend(config.attention_backend, device)
     if config.kv_cache_dtype == "fp8":
@@ -87,7 +85,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     logger.info(
         "model %s (%s) on %s in %s; KV cache (%s): %d blocks of %d tokens, %.2f GiB; attention: %s",
-        config.model, model_config.architecture, device, str(dtype).removeprefix("torch."), kv_dtype_name,
+        config.model, model_config.architecture, device, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
         num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name,
     )
     return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len, source)

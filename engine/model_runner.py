@@ -28,8 +28,7 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     def bytes(self, model_config: ModelConfig) -> int:
-        per_token = model_config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
-        return per_token * self.num_blocks * self.block_size
+        return model_config.kv_shape().bytes_per_block(self.dtype.itemsize, self.block_size) * self.num_blocks
 
 
 @dataclass(frozen=True)

@@ -4,35 +4,19 @@
 
 GQA/MQA shrink it by num_heads / num_kv_heads against multi-head attention: Llama-2-70B keeps 8
 KV heads for 64 query heads, so its cache is 8x smaller than an MHA model of the same shape.
-Shapes come from presets, a config.json (or an HF model folder) or a GGUF file's metadata.
+Everything here counts bytes: a KV element's size comes in as `dtype_bytes` (the engine passes
+its torch dtype's itemsize; `kvserve kv-size` maps its --kv-dtype names). Shapes come from the
+presets below, or from a checkpoint's metadata, which the engine reads
+(kvserve.engine.model.model_shape) with the same code that builds its ModelConfig.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
 from kvserve.paging.block_allocator import validate_block_size
 from kvserve.paging.errors import KVCacheTooSmallError
-
-KV_DTYPE_BYTES = {
-    "fp32": 4, "float32": 4,
-    "fp16": 2, "float16": 2, "half": 2,
-    "bf16": 2, "bfloat16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
-    "int8": 1,
-}  # fmt: skip
-
-
-def kv_dtype_bytes(kv_dtype: str) -> int:
-    try:
-        return KV_DTYPE_BYTES[kv_dtype.lower()]
-    except KeyError:
-        raise ValueError(f"unknown KV dtype {kv_dtype!r}: use one of fp32, fp16, bf16, fp8, int8") from None
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -51,7 +35,10 @@ class ModelShape:
             if count < 1:
                 raise ValueError(f"{self.name}: {field_name} must be at least 1, got {count}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.name}: {self.num_heads} query heads cannot be grouped over {self.num_kv_heads} KV heads")
+            raise ValueError(
+                f"{self.name}: {self.num_heads} query heads cannot be grouped over {self.num_kv_heads} KV heads "
+                "(num_heads must be a multiple of num_kv_heads)"
+            )
 
     @property
     def gqa_factor(self) -> int:
@@ -68,14 +55,17 @@ class ModelShape:
         """The same model with one KV head per query head (what GQA saves against)."""
         return replace(self, num_kv_heads=self.num_heads)
 
-    def bytes_per_token(self, kv_dtype: str) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes(kv_dtype)
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V for every layer: 2 * L * n_kv_heads * head_dim * dtype_bytes."""
+        if dtype_bytes < 1:
+            raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def kv_cache_bytes(self, kv_dtype: str, num_tokens: int, batch: int = 1) -> int:
-        return self.bytes_per_token(kv_dtype) * num_tokens * batch
+    def kv_cache_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
+        return self.bytes_per_token(dtype_bytes) * num_tokens * batch
 
-    def bytes_per_block(self, kv_dtype: str, block_size: int = 16) -> int:
-        return self.bytes_per_token(kv_dtype) * block_size
+    def bytes_per_block(self, dtype_bytes: int, block_size: int = 16) -> int:
+        return self.bytes_per_token(dtype_bytes) * block_size
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -90,12 +80,12 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def num_blocks_for_memory(memory_bytes: int, shape: ModelShape, kv_dtype: str, block_size: int = 16) -> int:
+def num_blocks_for_memory(memory_bytes: int, shape: ModelShape, dtype_bytes: int, block_size: int = 16) -> int:
     """Whole blocks that fit in `memory_bytes` (K and V of every layer)."""
     validate_block_size(block_size)
     if memory_bytes < 0:
         raise ValueError(f"memory must be >= 0 bytes, got {memory_bytes}")
-    return memory_bytes // shape.bytes_per_block(kv_dtype, block_size)
+    return memory_bytes // shape.bytes_per_block(dtype_bytes, block_size)
 
 
 def max_model_len_that_fits(num_blocks: int, block_size: int = 16) -> int:
@@ -113,7 +103,7 @@ def check_max_model_len_fits(max_model_len: int, num_blocks: int, block_size: in
 
 def plan_num_kv_blocks(
     shape: ModelShape,
-    kv_dtype: str,
+    dtype_bytes: int,
     block_size: int,
     max_model_len: int,
     *,
@@ -129,7 +119,7 @@ def plan_num_kv_blocks(
         validate_block_size(block_size)
         num_blocks = num_kv_blocks
     else:
-        num_blocks = num_blocks_for_memory(kv_cache_memory, shape, kv_dtype, block_size)
+        num_blocks = num_blocks_for_memory(kv_cache_memory, shape, dtype_bytes, block_size)
     check_max_model_len_fits(max_model_len, num_blocks, block_size)
     return num_blocks
 
@@ -147,73 +137,3 @@ def parse_memory_size(text: str) -> int:
     if size < 1:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return size
-
-
-def resolve_model_shape(model: str) -> ModelShape:
-    """A preset name (case-insensitive) or a path to a config.json, an HF model folder or a .gguf file."""
-    preset = PRESETS.get(model.lower())
-    if preset is not None:
-        return preset
-    path = Path(model)
-    if path.exists():
-        return read_model_shape(path)
-    raise ValueError(f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}) or a path to a config.json, an HF model folder or a .gguf file")
-
-
-def read_model_shape(path: Path) -> ModelShape:
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            path = path / "config.json"
-        else:
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) != 1:
-                raise ValueError(f"{path} has no config.json and {len(ggufs)} .gguf files: pass the file itself")
-            path = ggufs[0]
-    if path.suffix == ".gguf":
-        return _shape_from_gguf(path)
-    return _shape_from_config(path.parent.name if path.name == "config.json" else path.stem, json.loads(path.read_text()))
-
-
-def _shape_from_config(name: str, config: dict[str, Any]) -> ModelShape:
-    """HF config.json: Llama-style names, or GPT-2's n_layer / n_head / n_embd."""
-    layers = config.get("num_hidden_layers", config.get("n_layer"))
-    heads = config.get("num_attention_heads", config.get("n_head"))
-    hidden = config.get("hidden_size", config.get("n_embd"))
-    if layers is None or heads is None or hidden is None:
-        raise ValueError(f"config {name!r} lacks the layer count, head count or hidden size (num_hidden_layers, num_attention_heads, hidden_size)")
-    return ModelShape(
-        name=name,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or hidden // heads,
-        max_position_embeddings=config.get("max_position_embeddings", config.get("n_positions")),
-    )
-
-
-def _shape_from_gguf(path: Path) -> ModelShape:
-    import gguf  # numpy only, no torch; imported here so kvserve.paging stays light
-
-    reader = gguf.GGUFReader(path)
-
-    def value(key: str) -> Any:
-        field = reader.fields.get(key)
-        if field is None:
-            return None
-        if field.types[0] == gguf.GGUFValueType.STRING:
-            return bytes(field.parts[field.data[0]]).decode("utf-8")
-        # Some models list a per-layer KV head count; the largest layer decides the block size.
-        return max(int(field.parts[index][0]) for index in field.data)
-
-    arch = value("general.architecture")
-    layers, heads, hidden = value(f"{arch}.block_count"), value(f"{arch}.attention.head_count"), value(f"{arch}.embedding_length")
-    if arch is None or layers is None or heads is None or hidden is None:
-        raise ValueError(f"{path} lacks the GGUF metadata that gives the attention shape ({arch}.block_count, .attention.head_count, .embedding_length)")
-    return ModelShape(
-        name=path.stem,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=value(f"{arch}.attention.head_count_kv") or heads,
-        head_dim=value(f"{arch}.attention.key_length") or hidden // heads,
-        max_position_embeddings=value(f"{arch}.context_length"),
-    )

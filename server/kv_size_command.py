@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from kvserve.engine import SUPPORTED_BLOCK_SIZES, ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
 
-KV_DTYPE_CHOICES = ("fp32", "fp16", "bf16", "fp8", "int8")
+# --kv-dtype name -> bytes per element.
+KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 GB, GIB = 10**9, 2**30
 
 
@@ -28,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, help="a preset (gpt2, llama-7b, llama-70b, gpt3-175b, smollm2-135m) "
                         "or a path to a config.json, an HF model folder or a .gguf file")  # fmt: skip
     parser.add_argument("--tokens", type=_positive_int, nargs="+", required=True, metavar="N", help="context lengths (tokens per request)")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="fp16", help="KV cache element type (default: fp16)")
+    parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_BYTES), default="fp16", help="KV cache element type (default: fp16)")
     parser.add_argument("--batch", type=_positive_int, default=1, help="concurrent requests (default: 1)")
     parser.add_argument("--memory", type=_memory_size, metavar="SIZE", help="KV memory budget, e.g. 80GB, 74.5GiB or bytes")
     parser.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=16, help="tokens per KV block (default: 16)")
@@ -52,22 +53,23 @@ def kv_size_report(
     memory_bytes: int | None = None,
     block_size: int = 16,
 ) -> str:
-    per_token = shape.bytes_per_token(kv_dtype)
+    dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
+    per_token = shape.bytes_per_token(dtype_bytes)
     mha = shape.as_mha()
     lines = [
         f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim}",
         _attention_line(shape),
         f"KV per token ({kv_dtype}): {per_token:,} bytes = {per_token / 2**10:,.1f} KiB"
-        + ("" if shape.gqa_factor == 1 else f"   (as MHA: {mha.bytes_per_token(kv_dtype) / 2**10:,.1f} KiB)"),
+        + ("" if shape.gqa_factor == 1 else f"   (as MHA: {mha.bytes_per_token(dtype_bytes) / 2**10:,.1f} KiB)"),
         "",
     ]
     header = f"{'tokens':>10} {'batch':>6} {'KV (GB)':>12} {'KV (GiB)':>12}"
     lines.append(header + ("" if shape.gqa_factor == 1 else f" {'as MHA (GB)':>12}"))
     for num_tokens in tokens:
-        size = shape.kv_cache_bytes(kv_dtype, num_tokens, batch)
+        size = shape.kv_cache_bytes(dtype_bytes, num_tokens, batch)
         row = f"{num_tokens:>10,} {batch:>6} {size / GB:>12,.2f} {size / GIB:>12,.2f}"
         if shape.gqa_factor > 1:
-            row += f" {mha.kv_cache_bytes(kv_dtype, num_tokens, batch) / GB:>12,.2f}"
+            row += f" {mha.kv_cache_bytes(dtype_bytes, num_tokens, batch) / GB:>12,.2f}"
         lines.append(row)
     if memory_bytes is not None:
         lines += ["", *_memory_lines(shape, tokens, kv_dtype, memory_bytes, block_size)]
@@ -84,8 +86,8 @@ def _attention_line(shape: ModelShape) -> str:
 
 
 def _memory_lines(shape: ModelShape, tokens: Sequence[int], kv_dtype: str, memory_bytes: int, block_size: int) -> list[str]:
-    num_blocks = num_blocks_for_memory(memory_bytes, shape, kv_dtype, block_size)
-    block_bytes = shape.bytes_per_block(kv_dtype, block_size)
+    num_blocks = num_blocks_for_memory(memory_bytes, shape, KV_DTYPE_BYTES[kv_dtype], block_size)
+    block_bytes = shape.bytes_per_block(KV_DTYPE_BYTES[kv_dtype], block_size)
     lines = [
         f"memory {memory_bytes / GB:,.2f} GB ({memory_bytes / GIB:,.2f} GiB): {num_blocks:,} blocks of {block_size} tokens "
         f"({block_bytes / 10**6:,.3f} MB each) = {num_blocks * block_size:,} tokens",

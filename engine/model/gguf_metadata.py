@@ -14,6 +14,7 @@ import numpy as np
 
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import CorruptModelError, ModelConfigError, UnsupportedArchitectureError
+from kvserve.paging.kv_sizing import ModelShape
 
 # GGUF `general.architecture` -> ours. llama.cpp writes Mistral checkpoints as "llama".
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -55,6 +56,34 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     return decode(field.parts[field.data[0]], field.types[0])
 
 
+def shape_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelShape:
+    """The KV-deciding fields of any architecture's GGUF metadata (`kvserve kv-size` plans for
+    models the engine does not run, so the architecture is not checked here)."""
+    arch = field_value(reader, "general.architecture")
+
+    def count(key: str, default: int | None = None) -> int:
+        value = field_value(reader, f"{arch}.{key}")
+        if value is None:
+            if default is None:
+                raise CorruptModelError(f"{path}: GGUF metadata lacks {arch}.{key}, which gives the attention shape")
+            return default
+        # Some models list a per-layer KV head count; the largest layer decides the block size.
+        return max(value) if isinstance(value, list) else int(value)
+
+    num_heads, hidden = count("attention.head_count"), count("embedding_length")
+    try:
+        return ModelShape(
+            name=path.stem,
+            num_layers=count("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=count("attention.head_count_kv", num_heads),
+            head_dim=count("attention.key_length", hidden // num_heads),
+            max_position_embeddings=field_value(reader, f"{arch}.context_length"),
+        )
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from exc
+
+
 def model_config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     gguf_arch = field_value(reader, "general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
@@ -66,8 +95,7 @@ def model_config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
             raise CorruptModelError(f"{path}: GGUF metadata lacks {gguf_arch}.{key}")
         return default if value is None else value
 
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
+    shape = shape_from_gguf(reader, path)
     tensor_names = {t.name for t in reader.tensors}
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     vocab_size = int(get("vocab_size", len(tokens) if tokens else None))
@@ -84,12 +112,12 @@ def model_config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[gguf_arch],
         vocab_size=vocab_size,
-        hidden_size=hidden,
+        hidden_size=int(get("embedding_length")),
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length", hidden // num_heads)),
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),

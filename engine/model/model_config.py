@@ -20,9 +20,10 @@ from kvserve.engine.model.model_errors import (
     ModelNotFoundError,
     UnsupportedArchitectureError,
 )
+from kvserve.paging.kv_sizing import ModelShape
 
 __all__ = ["ModelConfig", "UnsupportedArchitectureError", "end_of_generation_ids", "load_model_config",
-           "model_config_from_hf_dict"]
+           "model_config_from_hf_dict", "shape_from_hf_dict"]
 
 # rope_type -> the keys transformers requires for it.
 ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -91,11 +92,9 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for every layer: 2 * L * n_kv_heads * head_dim * dtype_bytes."""
-        if dtype_bytes < 1:
-            raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_shape(self, name: str = "model") -> ModelShape:
+        """The attention shape that sizes the KV cache (bytes per token and per block live there)."""
+        return ModelShape(name, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.max_position_embeddings)
 
 
 def end_of_generation_ids(config: ModelConfig, tokenizer_eos_token_id: int | None) -> tuple[int, ...]:
@@ -125,6 +124,31 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
 
 
+def shape_from_hf_dict(name: str, hf: Mapping[str, Any]) -> ModelShape:
+    """The KV-deciding fields of a config.json, under Llama's names or GPT-2's (n_layer, n_head,
+    n_embd), for any family: `kvserve kv-size` plans for models the engine does not run."""
+    layers = hf.get("num_hidden_layers", hf.get("n_layer"))
+    heads = hf.get("num_attention_heads", hf.get("n_head"))
+    hidden = hf.get("hidden_size", hf.get("n_embd"))
+    if layers is None or heads is None or hidden is None:
+        raise CorruptModelError(
+            f"config {name!r} lacks the layer count, head count or hidden size "
+            "(num_hidden_layers, num_attention_heads, hidden_size)"
+        )
+    heads = int(heads)
+    try:
+        return ModelShape(
+            name=name,
+            num_layers=int(layers),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hidden) // heads),
+            max_position_embeddings=hf.get("max_position_embeddings", hf.get("n_positions")),
+        )
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from exc
+
+
 def model_config_from_hf_dict(hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a parsed config.json (and generation_config.json, whose eos ids
     are often the complete list, e.g. Llama 3's <|eot_id|>)."""
@@ -135,7 +159,7 @@ def model_config_from_hf_dict(hf: Mapping[str, Any], generation: Mapping[str, An
         raise UnsupportedArchitectureError(archs[0] if archs else model_type or "<missing>", "config.json")
     if architecture == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise ModelConfigError("Llama checkpoints with attention_bias/mlp_bias (o_proj/MLP biases) are not supported")
-    num_heads = int(hf["num_attention_heads"])
+    shape = shape_from_hf_dict("config.json", hf)
     max_pos = int(hf.get("max_position_embeddings", 4096))
     sliding_window = hf.get("sliding_window")
     if architecture in ("mistral", "qwen2") and sliding_window and hf.get("use_sliding_window", architecture == "mistral"):
@@ -151,10 +175,10 @@ def model_config_from_hf_dict(hf: Mapping[str, Any], generation: Mapping[str, An
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),

