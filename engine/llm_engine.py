@@ -197,6 +197,8 @@ class LLMEngine:
         runner_output = self.model_runner.execute(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
+        for child_id, piece in runner_output.prompt_logprobs.items():
+            self.tracker.on_prompt_logprobs(child_id, piece)
 
         touched = {}
         for update in updates:

@@ -16,6 +16,7 @@ import torch
 from kvserve.engine.attention_metadata import AttentionMetadata
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.kernels import AttentionBackend
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -69,9 +70,11 @@ class ModelRunner:
             self._copy_blocks(output.blocks_to_copy)
         inputs = self.prepare_inputs(output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, self.attention)
+        plan = PromptLogprobsPlan.from_scheduled(output.scheduled)
+        prompt_logprobs = {} if plan is None else compute_prompt_logprobs(hidden, plan, self.model.compute_logits)
         sampling = [r for r in output.scheduled if r.samples]
         if not sampling:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[])
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_ids,
                                              self.device)
@@ -80,6 +83,7 @@ class ModelRunner:
             request_ids=[r.request_id for r in sampling],
             sampled_token_ids=sampled.token_ids,
             logprobs=sampled.logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:

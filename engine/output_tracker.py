@@ -15,7 +15,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvserve.engine.stats import FinishedRequestStats
 from kvserve.engine.text.detokenizer import IncrementalDetokenizer
 from kvserve.engine.text.tokenizer import Tokenizer
-from kvserve.scheduler.output import TokenLogprobs
+from kvserve.scheduler.output import PromptLogprobs, TokenLogprobs
 from kvserve.scheduler.request import Request
 
 
@@ -79,6 +79,22 @@ class RequestGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     completions: list[CompletionState] = field(default_factory=list)
+    # Prompt logprobs scored so far (entry 0 is None), or None when not asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def add_prompt_logprobs(self, piece: PromptLogprobs) -> None:
+        """Appends a scored piece of the prompt. A preempted request recomputes its prompt, so a
+        piece may repeat positions already held: only the new ones are kept."""
+        if self.prompt_logprobs is None:
+            return
+        skip = len(self.prompt_logprobs) - piece.first_position
+        if skip >= 0:
+            self.prompt_logprobs.extend(piece.entries[skip:])
+
+    @property
+    def complete_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        logprobs = self.prompt_logprobs
+        return logprobs if logprobs is not None and len(logprobs) == len(self.prompt_token_ids) else None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +114,7 @@ class RequestGroup:
             finished=self.finished,
             num_cached_tokens=max(cached, 0),
             metrics=self.completions[0].metrics,
+            prompt_logprobs=self.complete_prompt_logprobs,
         )
 
 
@@ -109,6 +126,8 @@ class OutputTracker:
 
     def add(self, request_id: str, prompt: str | None, requests: list[Request]) -> None:
         group = RequestGroup(request_id, prompt, requests[0].prompt_token_ids)
+        if requests[0].sampling_params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
         for request in requests:
             params = request.sampling_params
             state = CompletionState(
@@ -169,6 +188,11 @@ class OutputTracker:
             state.stop_reason = stop_reason
             state.metrics.finished_time = now
         return state.finished_stats(now)
+
+    def on_prompt_logprobs(self, child_id: str, piece: PromptLogprobs) -> None:
+        entry = self.completions.get(child_id)
+        if entry is not None:  # None: aborted between the step's schedule and now
+            entry[0].add_prompt_logprobs(piece)
 
     def group_of(self, child_id: str) -> RequestGroup:
         return self.completions[child_id][0]

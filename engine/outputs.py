@@ -54,6 +54,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool  # every completion of the request has finished
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # When asked for (SamplingParams.prompt_logprobs): one entry per prompt token, None for the
+    # first (nothing precedes it); set once the whole prompt has been scored.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
 
 

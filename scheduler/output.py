@@ -74,10 +74,20 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens scored in one step: `entries[i]` is prompt token
+    `first_position + i` given the tokens before it (a chunked prefill yields several pieces)."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """What one model step produced: a token for each scheduled request whose `samples` is set,
-    in batch order."""
+    in batch order, and prompt logprobs for the requests that asked for them, by request id."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

@@ -35,6 +35,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
+    # Same for each prompt token after the first (vLLM's name). Such a request skips the prefix
+    # cache: a cached block's positions would never pass through the model to be scored.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -78,6 +81,8 @@ class SamplingParams:
                  "stop_token_ids must be non-negative integers")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
                  "logprobs", f"logprobs must be a non-negative integer, got {self.logprobs}")
+        _require(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+                 "prompt_logprobs", f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(_finite(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")

@@ -161,7 +161,10 @@ class Scheduler:
             request = self._waiting.front()
             # Full blocks already in the cache (from other requests, or its own before a
             # preemption) are reused; at least the last token is always computed, to sample.
-            cached_blocks, num_cached = kv.get_computed_blocks(request.all_token_ids, request.cache_salt)
+            if request.sampling_params.prompt_logprobs is None:
+                cached_blocks, num_cached = kv.get_computed_blocks(request.all_token_ids, request.cache_salt)
+            else:  # every prompt position must pass through the model to be scored: no cache hits
+                cached_blocks, num_cached = [], 0
             num_new = self._chunk_size(request, num_cached, plan.budget)
             block_ids = kv.allocate_slots(
                 request.request_id, request.all_token_ids, num_cached, num_new, cached_blocks, request.cache_salt
