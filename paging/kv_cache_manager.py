@@ -99,51 +99,90 @@ class KVCacheManager:
         `new_computed_blocks` (from get_computed_blocks) count on the first call only."""
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got num_computed_tokens={num_computed_tokens}, num_new_tokens={num_new_tokens}")
-        size = self.block_size
         state = self._requests.get(request_id)
+        if state is None or new_computed_blocks:
+            return self._allocate_first(request_id, state, token_ids, num_computed_tokens, num_new_tokens,
+                                        new_computed_blocks, cache_salt)
+        # The per-step path (every running request, every step): the request holds blocks and
+        # only grows. Kept free of anything a decode step does not need.
+        table = state.table
+        end = num_computed_tokens + num_new_tokens
+        num_blocks_needed = -(-end // self.block_size)
+        num_held = len(table)
+        shared = self._shared_blocks(table, num_computed_tokens // self.block_size, min(num_held, num_blocks_needed))
+        num_missing = num_blocks_needed - num_held
+        if (num_missing > 0 or shared) and max(0, num_missing) + len(shared) > self._allocator.num_available:
+            return None
+        self._grow(state, token_ids, num_computed_tokens, end, shared, num_missing)
+        return table.block_ids
+
+    def _allocate_first(
+        self,
+        request_id: str,
+        state: _RequestBlocks | None,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int],
+        cache_salt: str | None,
+    ) -> list[int] | None:
+        """allocate_slots for a request holding no blocks yet, starting with its prefix hits."""
+        size = self.block_size
         root = state.root if state is not None else root_hash(cache_salt)
         verified_hashes = self._check_computed_blocks(request_id, state, token_ids, num_computed_tokens, new_computed_blocks, root)
 
         # Plan everything first so that failing changes nothing.
         end = num_computed_tokens + num_new_tokens
         num_blocks_needed = -(-end // size)
-        num_held = len(state.table) if state is not None else 0
-        num_missing = max(0, num_blocks_needed - num_held - len(new_computed_blocks))
-        # Copy-on-write: a block this step writes into that another request also holds, or that
-        # the prefix cache holds (its tokens are promised to future hits). Normally that is the
-        # partial block a fork shares; a cached block is only written after a fork that ends
-        # mid-block, once its other holders are gone.
-        shared = [] if state is None else [
-            index for index in range(num_computed_tokens // size, min(num_held, num_blocks_needed))
-            if self._allocator.refcount(state.table[index]) > 1 or self._prefix_cache.is_cached(state.table[index])
-        ]
+        num_missing = num_blocks_needed - len(new_computed_blocks)
         num_revived = sum(1 for block_id in new_computed_blocks if self._allocator.is_cached_free(block_id))
-        if num_missing + len(shared) > self._allocator.num_available - num_revived:
+        if max(0, num_missing) > self._allocator.num_available - num_revived:
             return None
 
-        if state is None:
-            state = _RequestBlocks(BlockTable(size), root, verified_hashes)
-            self._requests[request_id] = state
-            for block_id in new_computed_blocks:
-                self._allocator.incref(block_id)
-                state.table.append_block(block_id)
-            state.table.append_tokens(len(new_computed_blocks) * size)
+        state = _RequestBlocks(BlockTable(size), root, verified_hashes)
+        self._requests[request_id] = state
+        for block_id in new_computed_blocks:
+            self._allocator.incref(block_id)
+            state.table.append_block(block_id)
+        state.table.append_tokens(len(new_computed_blocks) * size)
+        self._grow(state, token_ids, num_computed_tokens, end, [], num_missing)
+        return state.table.block_ids
+
+    def _shared_blocks(self, table: BlockTable, first: int, stop: int) -> list[int]:
+        """Copy-on-write: indices of blocks this step writes into that another request also holds,
+        or that the prefix cache holds (its tokens are promised to future hits). Normally that is
+        the partial block a fork shares; a cached block is only written after a fork that ends
+        mid-block, once its other holders are gone."""
+        allocator, cache = self._allocator, self._prefix_cache
+        shared = []
+        for index in range(first, stop):  # usually one block: the one a decode token goes into
+            block_id = table[index]
+            if allocator.refcount(block_id) > 1 or cache.is_cached(block_id):
+                shared.append(index)
+        return shared
+
+    def _grow(self, state: _RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int, end: int,
+              shared: list[int], num_missing: int) -> None:
+        """Carries out a plan that fits: copies for shared blocks, new blocks, fill counts, and
+        the prefix-cache registration of blocks that became full."""
+        size = self.block_size
+        allocator = self._allocator
         table = state.table
         for index in shared:
-            copy = self._allocator.allocate()
+            copy = allocator.allocate()
             source = table.replace_block(index, copy)
-            self._allocator.release(source, keep_cached=self._prefix_cache.is_cached(source))
-            self._allocator.mark_filled(copy, min(size, max(0, num_computed_tokens - index * size)))
+            allocator.release(source, keep_cached=self._prefix_cache.is_cached(source))
+            allocator.mark_filled(copy, min(size, max(0, num_computed_tokens - index * size)))
             self._blocks_to_copy.append((source, copy))
         for _ in range(num_missing):
-            table.append_block(self._allocator.allocate())
-        for index in range(num_computed_tokens // size, num_blocks_needed):
-            self._allocator.mark_filled(table[index], min(size, end - index * size))
+            table.append_block(allocator.allocate())
+        for index in range(num_computed_tokens // size, -(-end // size)):
+            allocator.mark_filled(table[index], min(size, end - index * size))
         if end > table.num_tokens:
             table.append_tokens(end - table.num_tokens)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(state, token_ids, min(len(token_ids), end) // size)
-        return table.block_ids
+        num_full = min(len(token_ids), end) // size
+        if self.enable_prefix_caching and num_full > len(state.block_hashes):
+            self._register_full_blocks(state, token_ids, num_full)
 
     def _check_computed_blocks(
         self,
@@ -181,8 +220,6 @@ class KVCacheManager:
         """Offer blocks that became full since the last call to the prefix cache."""
         hashes = state.block_hashes
         first_new = len(hashes)
-        if num_full <= first_new:
-            return
         self._prefix_cache.extend_hashes(hashes, token_ids, state.root, num_full)
         size = self.block_size
         for index in range(first_new, num_full):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from kvserve.paging.kv_sizing import check_max_model_len_fits
 from kvserve.scheduler.config import SchedulerConfig
@@ -34,10 +34,10 @@ if TYPE_CHECKING:
     from kvserve.paging import KVCacheManager
 
 
-@dataclass(frozen=True)
-class RequestUpdate:
+class RequestUpdate(NamedTuple):
     """What one step did to one scheduled request: the tokens it gained (none for a prompt chunk
-    that stopped short of the prompt's end) and whether it is now finished."""
+    that stopped short of the prompt's end) and whether it is now finished. (A NamedTuple, like
+    ScheduledRequest: one is built per running request per step.)"""
 
     request: Request
     new_token_ids: list[int]
@@ -143,12 +143,14 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         # Oldest first. Victims come from the back, so a victim is never a request already
         # scheduled in this step, unless the request being served is itself the newest.
+        running, allocate_slots = self._running, self.kv_cache_manager.allocate_slots
         index = 0
-        while index < len(self._running) and plan.budget > 0:
-            request = self._running[index]
+        while index < len(running) and plan.budget > 0:
+            request = running[index]
             num_new = self._chunk_size(request, request.num_computed_tokens, plan.budget)
-            while (block_ids := self._allocate(request, num_new)) is None:
-                victim = self._running.pop_back()
+            while (block_ids := allocate_slots(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                               num_new, cache_salt=request.cache_salt)) is None:
+                victim = running.pop_back()
                 self._preempt(victim, plan)
                 if victim is request:
                     return
@@ -179,34 +181,21 @@ class Scheduler:
             self._add_to_plan(plan, request, num_new, block_ids)
 
     def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        num_new = len(request.all_token_ids) - num_computed
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new:
             num_new = threshold
-        return min(num_new, budget)
-
-    def _allocate(self, request: Request, num_new: int) -> list[int] | None:
-        return self.kv_cache_manager.allocate_slots(
-            request.request_id, request.all_token_ids, request.num_computed_tokens, num_new,
-            cache_salt=request.cache_salt,
-        )
+        return num_new if num_new < budget else budget
 
     def _add_to_plan(self, plan: _StepPlan, request: Request, num_new: int, block_ids: list[int]) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        plan.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
-                num_computed_tokens=start,
-                block_ids=block_ids,
-                samples=end == request.num_tokens,
-                sampling_params=request.sampling_params,
-                seed=request.seed,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-            )
-        )
+        all_token_ids = request.all_token_ids
+        # Positional: this runs for every running request every step (field order as declared).
+        plan.scheduled.append(ScheduledRequest(
+            request.request_id, all_token_ids[start:end], start, block_ids, end == len(all_token_ids),
+            request.sampling_params, request.seed, request.prompt_token_ids, request.output_token_ids,
+        ))
         plan.budget -= num_new
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -226,32 +215,33 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         sampled = dict(zip(runner_output.request_ids, zip(runner_output.sampled_token_ids, runner_output.logprobs)))
+        requests, running_status, max_model_len = self._requests, RequestStatus.RUNNING, self.config.max_model_len
         updates = []
         for scheduled in output.scheduled:
-            request = self._requests.get(scheduled.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(scheduled.request_id)
+            if request is None or request.status is not running_status:
                 continue  # finished (e.g. aborted) between schedule() and now
-            request.num_computed_tokens += scheduled.num_tokens
-            new_token_ids: list[int] = []
-            logprobs: list[TokenLogprobs | None] = []
+            request.num_computed_tokens += len(scheduled.token_ids)
             if scheduled.samples:
-                if scheduled.request_id not in sampled:
+                entry = sampled.get(scheduled.request_id)
+                if entry is None:
                     raise ValueError(
                         f"the model runner returned no token for {scheduled.request_id!r}, which was scheduled to "
                         "sample; ModelRunnerOutput must hold one token per scheduled request with samples=True"
                     )
-                token_id, token_logprobs = sampled[scheduled.request_id]
+                token_id, token_logprobs = entry
                 request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                logprobs.append(token_logprobs)
+                new_token_ids, logprobs = [token_id], [token_logprobs]
+            else:
+                new_token_ids, logprobs = [], []
             # Before the leader can be freed: its siblings fork the prompt's blocks now.
             if (
                 request.parent_id is not None
-                and request.num_computed_tokens >= request.num_prompt_tokens
+                and request.num_computed_tokens >= len(request.prompt_token_ids)
                 and self._siblings.has_held(request)
             ):
                 self._fork_siblings(request)
-            finished = scheduled.samples and check_stop(request, self.config.max_model_len)
+            finished = scheduled.samples and check_stop(request, max_model_len)
             if finished:
                 self._running.remove(request, self._order_keys[request.request_id])
                 self._retire(request)

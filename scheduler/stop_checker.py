@@ -14,16 +14,19 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     ends it. Order matters when several apply to the same token: a stop token wins over a length
     limit, so a request whose last allowed token is EOS reports "stop", as OpenAI's API does."""
     params = request.sampling_params
-    last_token = request.output_token_ids[-1]
+    output_token_ids = request.output_token_ids
+    last_token = output_token_ids[-1]
+    num_output = len(output_token_ids)
     # min_tokens holds back stop tokens and EOS only; the length limits always apply.
-    if request.num_output_tokens >= params.min_tokens:
+    if num_output >= params.min_tokens:
         if last_token in params.stop_token_ids:
             return _finish(request, FinishReason.STOP, last_token)
         if not params.ignore_eos and last_token in request.eos_token_ids:
             return _finish(request, FinishReason.STOP, None)
-    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+    if params.max_tokens is not None and num_output >= params.max_tokens:
         return _finish(request, FinishReason.LENGTH, None)
-    if request.num_tokens >= min(max_model_len, request.max_model_len):
+    num_tokens = len(request.all_token_ids)
+    if num_tokens >= max_model_len or num_tokens >= request.max_model_len:
         return _finish(request, FinishReason.LENGTH, None)
     return False
 
