@@ -169,9 +169,6 @@ class AsyncEngine:
             if not finished:
                 self._submit(lambda: self.engine.abort_request(request_id))
 
-    async def abort(self, request_id: str) -> None:
-        self._submit(lambda: self._abort(request_id))
-
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
         self._wakeup.set()
@@ -184,10 +181,6 @@ class AsyncEngine:
                                     arrival_time=arrival, priority=priority, prompt_token_ids=token_ids)
         except ValueError as error:  # validated already; a race (duplicate id) lands here
             stream.put(error)
-
-    def _abort(self, request_id: str) -> None:
-        for output in self.engine.abort_request(request_id):
-            self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
         with self._lock:

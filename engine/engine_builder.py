@@ -17,7 +17,7 @@ from kvserve.engine.device import resolve_device, resolve_dtype
 from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
-from kvserve.engine.model.model_source import ModelSource, resolve_model
+from kvserve.engine.model.model_source import resolve_model
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.scaled_kv_backend import ScaledKVBackend
 from kvserve.kernels import FP8_KV_DTYPE, select_attention_backend
@@ -42,7 +42,6 @@ class EngineParts:
     scheduler: Scheduler
     model_runner: ModelRunner
     max_model_len: int
-    source: ModelSource
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -88,7 +87,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config.model, model_config.architecture, device, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
         num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name,
     )
-    return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len, source)
+    return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len)
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:

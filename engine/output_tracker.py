@@ -67,7 +67,7 @@ class CompletionState:
             last_token_time=self.metrics.last_token_time,
             finished_time=now,
             num_prompt_tokens=self.request.num_prompt_tokens,
-            num_cached_tokens=max(self.request.num_cached_tokens, 0),
+            num_cached_tokens=self.request.num_cached_tokens or 0,
             num_generation_tokens=self.request.num_output_tokens,
             inter_token_latencies=tuple(b - a for a, b in zip(times, times[1:])),
         )
@@ -105,14 +105,14 @@ class RequestGroup:
         news = [c.take_delta() for c in self.completions if c.has_news]
         if not news:
             return None
-        cached = max(c.request.num_cached_tokens for c in self.completions)
+        cached = max(c.request.num_cached_tokens or 0 for c in self.completions)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=news,
             finished=self.finished,
-            num_cached_tokens=max(cached, 0),
+            num_cached_tokens=cached,
             metrics=self.completions[0].metrics,
             prompt_logprobs=self.complete_prompt_logprobs,
         )

@@ -46,10 +46,6 @@ class KVCacheStats:
         """Internal fragmentation: the share of allocated slots holding no token."""
         return 1.0 - self.tokens_stored / self.slots_allocated if self.slots_allocated else 0.0
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
 
 @dataclass
 class _RequestBlocks:

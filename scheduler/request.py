@@ -53,7 +53,7 @@ class Request:
     # Prompt followed by output, kept as one growing list so the per-step path never concatenates.
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1 until first scheduled
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; None until first scheduled
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -73,10 +73,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

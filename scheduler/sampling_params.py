@@ -8,7 +8,7 @@ the HTTP layer can turn it into a 400 whose `param` is that name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Mapping
 
 
@@ -97,9 +97,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-    def with_seed(self, seed: int | None) -> "SamplingParams":
-        return replace(self, seed=seed)
 
 
 def _finite(value: object) -> bool:

@@ -175,7 +175,7 @@ class Scheduler:
                 break  # FCFS: no overtaking the head, so it cannot starve
             self._waiting.pop_front()
             request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens is None:  # counted at the first admission only
                 request.num_cached_tokens = num_cached
             self._start_running(request)
             self._add_to_plan(plan, request, num_new, block_ids)

@@ -41,9 +41,6 @@ class SiblingGroups:
     def is_held(self, request: Request) -> bool:
         return request.parent_id is not None and request in self._held.get(request.parent_id, ())
 
-    def num_held(self) -> int:
-        return sum(len(held) for held in self._held.values())
-
     def take_held(self, leader: Request) -> list[Request]:
         """The siblings held for `leader` (none if it leads nothing), no longer held."""
         if leader.parent_id is None or self._leaders.get(leader.parent_id) is not leader:

@@ -48,7 +48,6 @@ class SamplingBatch:
 
     num_rows: int
     vocab_size: int
-    greedy: Tensor  # [B] bool: argmax instead of sampling
     random_rows: Tensor | None  # int64 indices of the rows that sample; None when all are greedy
     temperature: Tensor  # [B] float32 (1.0 on greedy rows, where it is unused)
     top_k: Tensor | None  # [B] int64, 0 = off; None when no row uses top-k
@@ -89,7 +88,6 @@ class SamplingBatch:
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
-            greedy=tensor(greedy, torch.bool),
             random_rows=tensor(random_rows, torch.int64) if random_rows else None,
             temperature=tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
             top_k=tensor(top_k, torch.int64) if any(top_k) else None,

@@ -71,7 +71,6 @@ class FakeEngine:
         self.finished: list[str] = []
         self.aborted: list[str] = []
         self.active: set[str] = set()
-        self.abort_calls: list[str] = []
         self.running = False
         # What the start-up summary reads.
         self.num_kv_blocks = 64
@@ -102,9 +101,6 @@ class FakeEngine:
 
     def fail(self, error: BaseException) -> None:
         self.dead_error = error
-
-    async def abort(self, request_id: str) -> None:
-        self.abort_calls.append(request_id)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
                        *, priority: int = 0) -> AsyncIterator[RequestOutput]:
