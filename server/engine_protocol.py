@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
+import torch
+
 from kvserve.engine.config import EngineConfig
 from kvserve.engine import RequestOutput, SamplingParams
 from kvserve.engine.stats import EngineLoad
+from kvserve.engine.model.model_config import ModelConfig
 
 
 class ServingTokenizer(Protocol):
@@ -34,6 +37,12 @@ class ServingEngine(Protocol):
     config: EngineConfig
     tokenizer: ServingTokenizer
     max_model_len: int
+    # What the worker-info probes report (server/worker_info_routes.py).
+    model_config: ModelConfig
+    block_size: int
+    num_kv_blocks: int
+    dtype: torch.dtype
+    device: torch.device
 
     @property
     def is_dead(self) -> bool: ...

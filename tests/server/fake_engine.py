@@ -12,6 +12,7 @@ import torch
 
 from kvserve.engine.text.chat_template import ChatTemplateError
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.stats import EngineLoad
 from kvserve.scheduler.output import TokenLogprobs
@@ -78,6 +79,11 @@ class FakeEngine:
         self.kv_cache_bytes = 64 * 16 * 1024
         self.dtype = torch.float32
         self.device = torch.device("cpu")
+        self.model_config = ModelConfig(
+            architecture="llama", vocab_size=FakeTokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None,
+            rms_norm_eps=1e-5, max_position_embeddings=max_model_len, tie_word_embeddings=True,
+            attention_bias=False, bos_token_id=None, eos_token_ids=(0,))
 
     @property
     def is_dead(self) -> bool:
