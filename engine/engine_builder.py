@@ -7,13 +7,12 @@ data and LLMEngine's constructor stays a constructor.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
-import torch
 
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.device import resolve_device, resolve_dtype
+from kvserve.engine.kv_memory import default_kv_cache_bytes
 from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
@@ -26,13 +25,6 @@ from kvserve.paging.kv_sizing import plan_num_kv_blocks
 from kvserve.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-# Without --num-kv-blocks or --kv-cache-memory: on CPU, a quarter of the memory available after
-# loading the weights, at most 4 GiB (as vLLM's CPU backend defaults to); on CUDA, 90% of what
-# is free after the weights.
-CPU_KV_CACHE_MAX_BYTES = 4 << 30
-CPU_KV_CACHE_FRACTION = 0.25
-CUDA_KV_CACHE_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -60,12 +52,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         )
     kv_dtype = FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else dtype
     shape = model_config.kv_shape(config.model)
-    num_blocks = plan_num_kv_blocks(
-        shape, kv_dtype.itemsize, config.block_size, max_model_len,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory=None if config.num_kv_blocks is not None else (config.kv_cache_memory or default_kv_cache_bytes(device)),
-    )
     block_bytes = shape.bytes_per_block(kv_dtype.itemsize, config.block_size)
+    kv_cache_memory = config.kv_cache_memory
+    if config.num_kv_blocks is None and kv_cache_memory is None:
+        weights_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        kv_cache_memory = default_kv_cache_bytes(device, weights_bytes,
+                                                 block_bytes * -(-max_model_len // config.block_size))
+    num_blocks = plan_num_kv_blocks(shape, kv_dtype.itemsize, config.block_size, max_model_len,
+                                    num_kv_blocks=config.num_kv_blocks, kv_cache_memory=kv_cache_memory)
 
     attention = select_attention_backend(config.attention_backend, device)
     if config.kv_cache_dtype == "fp8":
@@ -88,21 +82,3 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name,
     )
     return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len)
-
-
-def default_kv_cache_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_KV_CACHE_FRACTION)
-    return int(min(CPU_KV_CACHE_MAX_BYTES, _available_memory_bytes() * CPU_KV_CACHE_FRACTION))
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -21,7 +21,7 @@ from typing import TextIO
 import uvicorn
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.stats import StatsListener
 from kvserve.server.app import build_app, serving_state
 from kvserve.server.info_routes import kvserve_version
@@ -92,11 +92,16 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, engine_f
         await serve_task
         return 0
     stop_wait.cancel()
-    if loaded.exception() is not None:
-        print(f"kvserve: could not load the model: {loaded.exception()}", file=sys.stderr, flush=True)
+    error = loaded.exception()
+    if error is not None:
+        # A setting that cannot work (e.g. a KV cache that does not fit the memory limit) is a
+        # usage error, exit 2 as for bad flags; anything else failed to load, exit 1.
+        usage = isinstance(error, ConfigError)
+        print(f"kvserve: error: {error}" if usage else f"kvserve: could not load the model: {error}",
+              file=sys.stderr, flush=True)
         server.should_exit = True
         await serve_task
-        return 1
+        return 2 if usage else 1
     engine = loaded.result()
     engine.start()
     state.attach_engine(engine)
