@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.device import resolve_device, resolve_dtype
 from kvserve.engine.kv_memory import default_kv_cache_bytes
