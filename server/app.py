@@ -19,6 +19,7 @@ from kvserve.server.ignored_fields import IgnoredFieldsHeaderMiddleware
 from kvserve.server.info_routes import kvserve_version, models_router, operations_router
 from kvserve.server.serving_state import ServingState
 from kvserve.server.settings import ServerSettings
+from kvserve.server.tokenizer_info import tokenizer_info_router
 from kvserve.server.worker_info_routes import worker_info_router
 
 
@@ -34,6 +35,7 @@ def build_app(engine: ServingEngine | None, settings: ServerSettings, *,
     app.include_router(chat_router(state), dependencies=v1_dependencies)
     app.include_router(models_router(state), dependencies=v1_dependencies)
     app.include_router(worker_info_router(state), dependencies=v1_dependencies)
+    app.include_router(tokenizer_info_router(state), dependencies=v1_dependencies)
     app.include_router(operations_router(state, metrics))
     app.add_middleware(IgnoredFieldsHeaderMiddleware)
     if metrics is not None:

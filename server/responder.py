@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from kvserve.engine import CompletionOutput, OutputAccumulator, RequestOutput
+from kvserve.engine import CompletionOutput, OutputAccumulator, RequestOutput, TokenLogprobs
 from kvserve.server.disconnect import unless_disconnected
 from kvserve.server.engine_protocol import ServingEngine
 from kvserve.server.errors import check_model, error_from_engine
@@ -45,6 +45,8 @@ class Choice:
     index: int
     job: GenerationJob
     output: CompletionOutput
+    # The whole prompt's logprobs when the request asked for them (first entry None).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class ResponseFormatter(Protocol):
@@ -109,7 +111,8 @@ class _Run:
             async for update in updates:
                 job = self.jobs[update.job_index]
                 for completion in self.accumulators[update.job_index].add(update.output):
-                    yield Choice(update.job_index * self.n + completion.index, job, completion)
+                    yield Choice(update.job_index * self.n + completion.index, job, completion,
+                                 update.output.prompt_logprobs)
 
     async def drain(self) -> None:
         async with aclosing(self.deltas()) as deltas:
@@ -120,7 +123,7 @@ class _Run:
         return [accumulator.result() for accumulator in self.accumulators]
 
     def final_choices(self, outputs: list[RequestOutput]) -> list[Choice]:
-        choices = [Choice(job_index * self.n + c.index, self.jobs[job_index], c)
+        choices = [Choice(job_index * self.n + c.index, self.jobs[job_index], c, output.prompt_logprobs)
                    for job_index, output in enumerate(outputs) for c in output.outputs]
         return sorted(choices, key=lambda choice: choice.index)
 

@@ -30,6 +30,8 @@ class FakeTokenizer:
     """Token id = UTF-8 byte + 1; id 0 is EOS (never generated)."""
 
     eos_token_id = 0
+    bos_token_id = None
+    chat_template = None
     vocab_size = 300
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -23,7 +23,7 @@ async def test_completion_shape_and_usage(client: httpx.AsyncClient) -> None:
     assert isinstance(body["created"], int)
     [choice] = body["choices"]
     assert choice == {"index": 0, "text": expected_text("hello", 5), "logprobs": None,
-                      "finish_reason": "length", "stop_reason": None}
+                      "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
                              "prompt_tokens_details": {"cached_tokens": 0}}
 
