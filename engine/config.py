@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUPPORTED_QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/quantization)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -34,6 +35,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes
     enable_prefix_caching: bool = True
     seed: int = 0
+    quantization: str | None = None  # None (the model dtype) | int8 | int4: weight-only, applied after loading
+    cpu_threads: int | None = None  # torch intra-op threads; None: OMP_NUM_THREADS or the CPUs this process may use
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -44,6 +47,11 @@ class EngineConfig:
             raise ConfigError("--attention-backend", f"attention backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError("--kv-cache-dtype", f"kv cache dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATIONS:
+            raise ConfigError("--quantization", f"quantization must be one of {', '.join(SUPPORTED_QUANTIZATIONS)}, "
+                                                f"got {self.quantization!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError("--cpu-threads", f"--cpu-threads must be at least 1, got {self.cpu_threads}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device", f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for option, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens", self.max_num_batched_tokens)):

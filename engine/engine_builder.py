@@ -10,12 +10,14 @@ import logging
 from dataclasses import dataclass
 
 from kvserve.engine.config import ConfigError, EngineConfig
+from kvserve.engine.cpu_threads import apply_cpu_threads
 from kvserve.engine.device import resolve_device, resolve_dtype
 from kvserve.engine.kv_memory import default_kv_cache_bytes
 from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
 from kvserve.engine.model.model_source import resolve_model
+from kvserve.engine.quantization import quantize_model
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.scaled_kv_backend import ScaledKVBackend
 from kvserve.kernels import FP8_KV_DTYPE, select_attention_backend
@@ -36,10 +38,16 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    threads = apply_cpu_threads(config.cpu_threads)
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
+    if config.quantization is not None and device.type != "cpu":
+        raise ConfigError("--quantization", f"--quantization {config.quantization} uses torch's CPU weight-only "
+                                            f"kernels; it is not available on {device}")
     source = resolve_model(config.model)
     model_config, model = load_model(source, dtype, device)
+    if config.quantization is not None:  # before the runner (and any compilation) sees the model
+        quantize_model(model, config.quantization)
     tokenizer = Tokenizer.from_gguf(source.path) if source.format == "gguf" else Tokenizer.from_hf_dir(source.path)
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -76,8 +84,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         kv_manager,
     )
     logger.info(
-        "model %s (%s) on %s in %s; KV cache (%s): %d blocks of %d tokens, %.2f GiB; attention: %s",
-        config.model, model_config.architecture, device, str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."),
-        num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name,
+        "model %s (%s) on %s in %s%s; KV cache (%s): %d blocks of %d tokens, %.2f GiB; attention: %s; %d CPU threads",
+        config.model, model_config.architecture, device, str(dtype).removeprefix("torch."),
+        f" with {config.quantization} weights" if config.quantization else "", str(kv_dtype).removeprefix("torch."),
+        num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name, threads,
     )
     return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len)

@@ -37,13 +37,15 @@ class LLM:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         seed: int = 0,
+        quantization: str | None = None,
+        cpu_threads: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-            seed=seed,
+            seed=seed, quantization=quantization, cpu_threads=cpu_threads,
         )
         self.engine = LLMEngine.from_config(config)
         self._next_id = 0

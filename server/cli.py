@@ -14,7 +14,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from kvserve.engine import parse_memory_size
-from kvserve.engine.config import DEFAULT_MODEL, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, ConfigError, EngineConfig
+from kvserve.engine.config import (
+    DEFAULT_MODEL, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, ConfigError, EngineConfig,
+)
 from kvserve.engine.model.model_errors import ModelNotFoundError
 from kvserve.engine.model.model_source import resolve_model
 from kvserve.server import kv_size_command
@@ -85,6 +87,12 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         model.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N"),
         model.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=defaults.attention_backend,
                            help="paged-attention implementation"),
+        model.add_argument("--quantization", choices=SUPPORTED_QUANTIZATIONS, default=None,
+                           help="weight-only quantization of the linear layers, on CPU: int8 (per channel) or int4 "
+                                "(groups of 32); faster for few concurrent streams (default: none, the --dtype weights)"),
+        model.add_argument("--cpu-threads", type=_positive_int, default=None,
+                           help="torch intra-op threads (default: $OMP_NUM_THREADS if set, else the CPUs this process "
+                                "may use: its affinity mask, capped by its cgroup CPU quota)"),
         model.add_argument("--seed", type=_non_negative_int, default=defaults.seed,
                            help="seed for requests that do not give one"),
         cache.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=defaults.block_size,
@@ -172,7 +180,7 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-            seed=args.seed)
+            seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads)
         limits = ServerLimits(
             max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length, max_tokens=args.max_tokens_per_request,

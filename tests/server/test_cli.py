@@ -44,6 +44,15 @@ def test_environment_sets_every_option_and_flags_win() -> None:
     assert settings.shutdown_grace_period == 3.0
 
 
+def test_quantization_and_threads_from_flags_and_environment() -> None:
+    engine, _ = configs(["--quantization", "int4", "--cpu-threads", "3"])
+    assert (engine.quantization, engine.cpu_threads) == ("int4", 3)
+    engine, _ = configs([], {"KVSERVE_QUANTIZATION": "int8", "KVSERVE_CPU_THREADS": "2"})
+    assert (engine.quantization, engine.cpu_threads) == ("int8", 2)
+    engine, _ = configs([])
+    assert (engine.quantization, engine.cpu_threads) == (None, None)
+
+
 def test_every_serve_option_has_an_environment_variable() -> None:
     from kvserve.server.cli import env_name
 
@@ -67,6 +76,11 @@ def test_every_serve_option_has_an_environment_variable() -> None:
     ([], {"KVSERVE_MAX_NUM_SEQS": "lots"}, "KVSERVE_MAX_NUM_SEQS"),
     ([], {"KVSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "KVSERVE_ENABLE_PREFIX_CACHING"),
     ([], {"KVSERVE_DTYPE": "int3"}, "KVSERVE_DTYPE"),
+    (["--quantization", "int3"], {}, "--quantization"),
+    ([], {"KVSERVE_QUANTIZATION": "fp4"}, "KVSERVE_QUANTIZATION"),
+    (["--cpu-threads", "0"], {}, "--cpu-threads"),
+    (["--cpu-threads", "-2"], {}, "--cpu-threads"),
+    ([], {"KVSERVE_CPU_THREADS": "0"}, "KVSERVE_CPU_THREADS"),
 ])
 def test_bad_values_exit_2_with_a_message(argv, env, needle, capsys, monkeypatch) -> None:
     for name, value in env.items():

@@ -1,0 +1,79 @@
+"""quantize_model: swap a loaded model's nn.Linear layers for weight-only quantized ones, in place.
+
+Runs after the weights are loaded and before the runner is built, so the model code and
+torch.compile only ever see ordinary modules. Layers whose shape a mode cannot pack stay as they
+are (and are reported), which keeps any Llama-family checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvserve.engine.config import SUPPORTED_QUANTIZATIONS
+from kvserve.engine.quantization.int4_linear import Int4Linear, int4_compatible
+from kvserve.engine.quantization.int8_linear import Int8Linear
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_MODES = SUPPORTED_QUANTIZATIONS
+# The output layer (lm_head) of a tied model is the token embedding, which GGUFs keep at 8 bits
+# (SmolLM2: Q8_0) because logits are sensitive to it. int8 there costs the int4 mode little speed
+# (it is one matmul per step) and keeps its passage NLL within ~0.5% of bf16, against ~2.4% with
+# an int4 lm_head (benchmarks/quant_accuracy.py).
+OUTPUT_LAYER_MODE = {"int8": "int8", "int4": "int8"}
+
+
+@dataclass(frozen=True)
+class QuantizationSummary:
+    mode: str
+    quantized: tuple[str, ...]  # module names converted
+    kept: tuple[str, ...]  # module names left in the model dtype (shape not packable)
+    bytes_before: int  # weights of the converted layers, before and after
+    bytes_after: int
+
+
+def _int8(linear: nn.Linear) -> nn.Module | None:
+    return Int8Linear.from_linear(linear)
+
+
+def _int4(linear: nn.Linear) -> nn.Module | None:
+    return Int4Linear.from_linear(linear) if int4_compatible(linear.out_features, linear.in_features) else None
+
+
+_CONVERTERS: dict[str, Callable[[nn.Linear], nn.Module | None]] = {"int8": _int8, "int4": _int4}
+
+
+def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None = None) -> QuantizationSummary:
+    """Converts every nn.Linear of `model` to `mode`, and the output layer `lm_head` to
+    `output_layer_mode` (default: OUTPUT_LAYER_MODE[mode]). Returns what was converted."""
+    if mode not in _CONVERTERS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
+    head_mode = output_layer_mode or OUTPUT_LAYER_MODE[mode]
+    if head_mode not in _CONVERTERS:
+        raise ValueError(f"output layer quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {head_mode!r}")
+    quantized, kept, before, after = [], [], 0, 0
+    targets = [(f"{parent_name}.{name}".lstrip("."), parent, name, child)
+               for parent_name, parent in model.named_modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for full_name, parent, name, linear in targets:
+        replacement = _CONVERTERS[head_mode if full_name == "lm_head" else mode](linear)
+        if replacement is None:
+            kept.append(full_name)
+            continue
+        before += linear.weight.numel() * linear.weight.element_size()
+        after += sum(b.numel() * b.element_size() for b in replacement.buffers())
+        setattr(parent, name, replacement)
+        quantized.append(full_name)
+    summary = QuantizationSummary(mode, tuple(quantized), tuple(kept), before, after)
+    logger.info("quantization %s: %d linear layers converted (%.1f MiB -> %.1f MiB)%s", mode, len(quantized),
+                before / 2**20, after / 2**20, f"; kept in {_dtype_of(model)}: {', '.join(kept)}" if kept else "")
+    return summary
+
+
+def _dtype_of(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -1,0 +1,161 @@
+"""Weight-only quantized linear layers match their dequantized reference; quantize_model swaps
+every packable nn.Linear and leaves the rest (and the tied embedding) alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.engine.attention_metadata import AttentionMetadata
+from kvserve.engine.model.llama import LlamaForCausalLM
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model
+from kvserve.engine.quantization.int4_linear import quantize_int4
+from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS, quantize_int8
+from kvserve.kernels import TorchAttentionBackend
+
+# Both sides of Int8Linear's row-count switch, and a 3-D input.
+ROW_SHAPES = [(1,), (PACKED_MAX_ROWS,), (PACKED_MAX_ROWS + 1,), (2, 40)]
+
+
+def _linear(out_features: int, in_features: int, dtype: torch.dtype, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.normal_(std=0.05)
+        if bias:
+            linear.bias.normal_()
+    return linear.to(dtype)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # bf16 outputs round to ~3 significant digits; the kernels accumulate in another order.
+    rtol, atol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_its_dequantized_weights(dtype, rows, bias) -> None:
+    linear = _linear(96, 64, dtype, bias)
+    q, scale = quantize_int8(linear.weight)
+    reference = (q.float() * scale[:, None]).to(dtype)
+    x = torch.randn(*rows, 64).to(dtype)
+    out = Int8Linear.from_linear(linear)(x)
+    assert out.shape == (*rows, 96) and out.dtype == dtype
+    _close(out, F.linear(x.float(), reference.float(), None if linear.bias is None else linear.bias.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_matches_its_dequantized_weights(dtype, rows, bias) -> None:
+    linear = _linear(96, 64, dtype, bias)
+    q, scale, zero = quantize_int4(linear.weight)
+    # Dequantize with scales and zeros rounded to the stored dtype, as the kernel sees them.
+    scale, zero = scale.to(dtype).float(), zero.to(dtype).float()
+    reference = ((q.float() - 8).reshape(96, -1, 32) * scale[..., None] + zero[..., None]).reshape(96, 64)
+    x = torch.randn(*rows, 64).to(dtype)
+    out = Int4Linear.from_linear(linear)(x)
+    assert out.shape == (*rows, 96) and out.dtype == dtype
+    _close(out, F.linear(x.float(), reference, None if linear.bias is None else linear.bias.float()), dtype)
+
+
+def test_quantization_error_is_within_half_a_step() -> None:
+    weight = _linear(64, 128, torch.float32, False).weight
+    q8, scale8 = quantize_int8(weight)
+    assert ((q8.float() * scale8[:, None] - weight).abs() <= scale8[:, None] / 2 + 1e-7).all()
+    q4, scale4, zero4 = quantize_int4(weight)
+    assert q4.min() >= 0 and q4.max() <= 15
+    dequant = ((q4.float() - 8).reshape(64, -1, 32) * scale4[..., None] + zero4[..., None]).reshape(64, 128)
+    assert ((dequant - weight).abs().reshape(64, -1, 32) <= scale4[..., None] / 2 + 1e-6).all()
+
+
+def test_int4_rejects_shapes_torch_cannot_pack() -> None:
+    with pytest.raises(ValueError, match="int4 needs"):
+        Int4Linear.from_linear(nn.Linear(64, 24))  # 24 output channels: not a multiple of 16
+
+
+def _tiny_model(intermediate: int = 96) -> tuple[ModelConfig, LlamaForCausalLM]:
+    config = ModelConfig(
+        architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=intermediate, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None,
+        rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=True, attention_bias=False,
+        bos_token_id=None, eos_token_ids=(2,))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.1)
+    return config, model.eval()
+
+
+def _logits(model: LlamaForCausalLM, config: ModelConfig, ids: list[int]) -> torch.Tensor:
+    shape = (4, config.num_kv_heads, 16, config.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0, 1, 2, 3]], 16)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta, TorchAttentionBackend())
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantize_model_converts_every_linear_and_keeps_the_embedding(mode) -> None:
+    config, model = _tiny_model()
+    embedding = model.embed_tokens.weight.detach().clone()
+    ids = list(range(3, 40))
+    before = _logits(model, config, ids)
+    summary = quantize_model(model, mode)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert len(summary.quantized) == 2 * 4 + 1 and summary.kept == ()
+    assert summary.bytes_after < summary.bytes_before
+    layer = model.layers[0]
+    expected = Int8Linear if mode == "int8" else Int4Linear
+    assert isinstance(layer.self_attn.qkv_proj, expected) and isinstance(layer.mlp.down_proj, expected)
+    assert isinstance(model.lm_head, Int8Linear)  # the output layer stays at 8 bits in both modes
+    assert torch.equal(model.embed_tokens.weight, embedding)
+    after = _logits(model, config, ids)
+    assert (after - before).abs().max() < 0.1 * before.abs().max()
+    assert (after.argmax(-1) == before.argmax(-1)).float().mean() > 0.8
+
+
+def test_int4_keeps_layers_it_cannot_pack() -> None:
+    config, model = _tiny_model(intermediate=40)  # down_proj reads 40 inputs: not groups of 32
+    summary = quantize_model(model, "int4")
+    assert summary.kept == ("layers.0.mlp.down_proj", "layers.1.mlp.down_proj")
+    assert isinstance(model.layers[0].mlp.down_proj, nn.Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)
+    assert _logits(model, config, [5, 6, 7]).isfinite().all()
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    _, model = _tiny_model()
+    with pytest.raises(ValueError, match="int8, int4"):
+        quantize_model(model, "int3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module_class", [Int8Linear, Int4Linear])
+def test_quantized_linear_compiles_without_graph_breaks(module_class) -> None:
+    """perf-compile wraps the forward with torch.compile after conversion: the layers must trace."""
+    layer = module_class.from_linear(_linear(96, 64, torch.bfloat16, bias=True))
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    for rows in (1, 2 * PACKED_MAX_ROWS):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(x).float(), layer(x).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    ({"quantization": "int3"}, "--quantization"), ({"quantization": ""}, "--quantization"),
+    ({"cpu_threads": 0}, "--cpu-threads"), ({"cpu_threads": -1}, "--cpu-threads"),
+])
+def test_engine_config_refuses_bad_values(kwargs, option) -> None:
+    from kvserve.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError) as error:
+        EngineConfig(**kwargs)
+    assert error.value.option == option
