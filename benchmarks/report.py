@@ -129,6 +129,53 @@ def sweep_section(summary: Summary) -> list[str]:
     return lines + (["", "Not measured:", *missing] if missing else [])
 
 
+def ceiling_section(summary: Summary) -> list[str]:
+    c = summary.get("ceiling") or {}
+    lines = ["## 4. The matmul-bound ceiling (benchmarks/ceiling.py)", ""]
+    if c:
+        names = [s["name"] for s in c["shapes"]]
+        lines.append("bf16 `F.linear` on the model's weight shapes, ms per matmul (minimum of 20):")
+        lines.append("")
+        header = ["rows", *(f"{s['name']} {s['out_features']}x{s['in_features']}" for s in c["shapes"])]
+        lines += _table(header, [[rows, *(_num(by[n], 3) for n in names)] for rows, by in c["matmul_ms"].items()])
+        kv = c.get("kvserve_tokens_per_s")
+        lines += ["", f"Ceiling on this workload if a step cost only its matmuls ({c['input_tokens']:,} prompt + "
+                  f"{c['output_tokens']:,} output tokens through the 30 layers, lm_head for sampled rows only), and "
+                  f"kvserve offline in the same run ({_num(kv)} output tokens/s):", ""]
+        rows = [[f"{r}" + (" (headline)" if int(r) == c["headline_rows"] else ""), _num(v),
+                 f"{100 * kv / v:.0f}%" if kv else "n/a"] for r, v in c["ceiling_tokens_per_s"].items()]
+        lines += _table(["matmul rows", "ceiling (output tokens/s)", "kvserve reaches"], rows)
+        lines += ["", f"Single-stream floor (one bf16 row through every weight matrix): "
+                  f"{_num(c['single_stream_floor_ms'])} ms per token."]
+    else:
+        lines.append("Not measured.")
+    missing = _missing(summary, ("ceiling: matmul-bound ceiling and kvserve",))
+    return lines + (["", "Not measured:", *missing] if missing else [])
+
+
+def step_profile_section(summary: Summary) -> list[str]:
+    p = summary.get("step_profile") or {}
+    lines = ["## 5. Where a step's time goes (benchmarks/step_profile.py)", ""]
+    if p:
+        steps = p["steps"]
+        columns = list(steps)
+        categories = list(next(iter(steps.values())))
+        lines.append(f"ms per step (share of the step); decode rows have {p['prompt_len']}-token prompts in the cache.")
+        lines.append("")
+        table = []
+        for category in categories:
+            cells = []
+            for column in columns:
+                value, total = steps[column][category], steps[column]["step total"]
+                cells.append(_num(value, 2) if category == "step total" else f"{_num(value, 2)} ({100 * value / total:.0f}%)")
+            table.append([category, *cells])
+        lines += _table(["", *columns], table)
+    else:
+        lines.append("Not measured.")
+    missing = _missing(summary, ("profile: step breakdown",))
+    return lines + (["", "Not measured:", *missing] if missing else [])
+
+
 def stages_section(summary: Summary) -> list[str]:
     rows = [[s["name"], s["status"], _num(s["seconds"], 0), f"`{s['command']}`" if s["command"] else ""]
             for s in summary.get("stages", [])]
@@ -147,7 +194,8 @@ def render_report(summary: Summary, has_comparison_png: bool = False) -> str:
         lines += ["", f"**Warning: the load average was {load} on {summary['machine']['cores']} cores at the start: "
                   "other work shared the CPU, so absolute numbers are pessimistic and ratios noisy.**"]
     sections = [machine_section(summary), workload_section(summary), offline_section(summary),
-                online_section(summary), sweep_section(summary)]
+                online_section(summary), sweep_section(summary), ceiling_section(summary),
+                step_profile_section(summary)]
     if has_comparison_png:
         sections.append(["## At a glance", "", f"![offline and online throughput]({COMPARISON_PNG})"])
     sections.append(stages_section(summary))

