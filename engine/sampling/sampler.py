@@ -7,9 +7,10 @@
 
 The order follows vLLM: logits processors, then penalties, then temperature, then the
 truncation filters; top-p sees the distribution already cut by min-p and top-k. Every stage is
-a tensor operation over the whole batch with per-row parameters; rows that do not use a stage
-pass through it unchanged (top_k 0, top_p 1, min_p 0, zero penalties). The truncation filters
-live in sampling_filters.py, the counter-based random numbers in sampling_noise.py.
+a tensor operation over the rows that use it, with per-row parameters: penalties touch only the
+penalised rows, temperature and the filters only the rows that draw, logprobs only the rows that
+ask; a greedy row costs one argmax. The truncation filters live in sampling_filters.py, the
+counter-based random numbers in sampling_noise.py, the penalties' token counts in token_counts.py.
 
 Drawing: one uniform number u per row, a pure function of (seed, number of output tokens so far),
 picks the token whose cumulative-probability interval (in vocabulary order) contains u. So a
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvserve.engine.sampling.sampling_batch import Penalties, SamplingBatch
+from kvserve.engine.sampling.sampling_batch import RandomRows, SamplingBatch
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
+from kvserve.engine.sampling.token_counts import Penalties, TokenCounts
 from kvserve.scheduler.output import TokenLogprobs
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch"]
@@ -40,20 +42,36 @@ class SamplerOutput:
 
 
 class Sampler:
+    """Holds one piece of state across steps: the penalised requests' token counts."""
+
+    def __init__(self) -> None:
+        self.token_counts = TokenCounts()
+
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [num_sampling_rows={batch.num_rows}, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
-        processed = apply_penalties(apply_logits_processors(raw, batch), batch.penalties)
-        rows = batch.random_rows
-        if rows is None:
+        processed = self.processed_logits(raw, batch)
+        random = batch.random
+        if random is None:
             token_ids = processed.argmax(dim=-1)
-        elif len(rows) == batch.num_rows:  # nobody is greedy: no row copies, no argmax
-            token_ids = sample_rows(processed, batch, rows)
+        elif len(random.rows) == batch.num_rows:  # nobody is greedy: no row copies, no argmax
+            token_ids = sample_rows(processed, random)
         else:
-            token_ids = processed.argmax(dim=-1).index_copy_(0, rows, sample_rows(processed.index_select(0, rows), batch, rows))
+            drawn = sample_rows(processed.index_select(0, random.rows), random)
+            token_ids = processed.argmax(dim=-1).index_copy_(0, random.rows, drawn)
         logprobs = compute_logprobs(raw, token_ids, batch)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def processed_logits(self, raw: Tensor, batch: SamplingBatch) -> Tensor:
+        """logit_bias, min_tokens bans and penalties applied (a new tensor when any applies);
+        what the argmax and the temperature see."""
+        processed = apply_logits_processors(raw, batch)
+        if batch.penalties is None:
+            return processed
+        rows = batch.penalties.rows
+        penalties = self.token_counts.penalties(batch.penalties, batch.vocab_size)
+        return processed.index_copy(0, rows, apply_penalties(processed.index_select(0, rows), penalties))
 
 
 def apply_logits_processors(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -69,28 +87,21 @@ def apply_logits_processors(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits
 
 
-def apply_penalties(logits: Tensor, penalties: Penalties | None) -> Tensor:
+def apply_penalties(logits: Tensor, penalties: Penalties) -> Tensor:
     """Repetition (HF/vLLM): a seen token's positive logit is divided by the penalty, a negative
-    one multiplied. Presence/frequency (OpenAI): logit -= presence * [count > 0] + frequency * count."""
-    if penalties is None:
-        return logits
+    one multiplied. Presence/frequency (OpenAI): logit -= presence * [count > 0] + frequency * count.
+    `logits` holds the penalised rows only, in the order of `penalties`."""
     repetition = torch.where(logits > 0, logits / penalties.repetition, logits * penalties.repetition)
     logits = torch.where(penalties.seen, repetition, logits)
     counts = penalties.output_counts
     return logits - penalties.frequency * counts - penalties.presence * (counts > 0).to(logits.dtype)
 
 
-def sample_rows(logits: Tensor, batch: SamplingBatch, rows: Tensor) -> Tensor:
-    """Draw one token per row of `logits` (the batch rows `rows`) after temperature and filters."""
-    logits = logits / batch.temperature.index_select(0, rows).unsqueeze(1)
-
-    def select(values: Tensor | None) -> Tensor | None:
-        return None if values is None else values.index_select(0, rows)
-
-    logits = filter_logits(logits, top_k=select(batch.top_k), top_p=select(batch.top_p), min_p=select(batch.min_p))
-    u = uniform_from_counter(batch.seed_lo.index_select(0, rows), batch.seed_hi.index_select(0, rows),
-                             batch.step.index_select(0, rows))
-    return draw_inverse_cdf(logits, u)
+def sample_rows(logits: Tensor, random: RandomRows) -> Tensor:
+    """Draw one token per row of `logits` (the random rows, in order) after temperature and filters."""
+    logits = logits / random.temperature.unsqueeze(1)
+    logits = filter_logits(logits, top_k=random.top_k, top_p=random.top_p, min_p=random.min_p)
+    return draw_inverse_cdf(logits, uniform_from_counter(random.seed_lo, random.seed_hi, random.step))
 
 
 # Tokens per chunk in the two-level draw below.

@@ -1,9 +1,9 @@
 """The per-step sampling parameters of a batch, gathered once into tensors.
 
 Building this is the only place that walks the requests one by one (reading their parameters
-into lists); everything the sampler does afterwards is whole-batch tensor work. Features no row
-uses are left as None so the sampler skips them entirely (most batches use none of the
-penalties, bias or min_tokens).
+into lists); everything the sampler does afterwards is tensor work on the rows concerned.
+Features no row uses are left as None so the sampler skips them entirely (most batches use none
+of the penalties, bias or min_tokens, and greedy rows need nothing but an argmax).
 """
 
 from __future__ import annotations
@@ -32,34 +32,43 @@ class SparseLogitUpdate:
 
 
 @dataclass(frozen=True)
-class Penalties:
-    """Presence/frequency (over output tokens) and repetition (over prompt + output) penalties."""
+class RandomRows:
+    """What the rows that draw (not greedy) need, indexed by their position among those rows."""
 
-    output_counts: Tensor  # [B, V] float32: how often each token occurs in each row's output
-    seen: Tensor  # [B, V] bool: token occurs in the row's prompt or output
-    presence: Tensor  # [B, 1] float32
-    frequency: Tensor  # [B, 1] float32
-    repetition: Tensor  # [B, 1] float32
+    rows: Tensor  # [R] int64: their indices in the batch
+    temperature: Tensor  # [R] float32
+    top_k: Tensor | None  # [R] int64, 0 = off; None when no row uses top-k
+    top_p: Tensor | None  # [R] float32, 1.0 = off
+    min_p: Tensor | None  # [R] float32, 0.0 = off
+    # A seeded row's random numbers depend only on (seed, step): the batch around it never matters.
+    seed_lo: Tensor  # [R] int64, low 32 bits of the seed
+    seed_hi: Tensor  # [R] int64, next 32 bits
+    step: Tensor  # [R] int64: output tokens generated so far (unchanged by preemption/recompute)
+
+
+@dataclass(frozen=True)
+class PenaltyRows:
+    """The rows with a presence, frequency or repetition penalty. Their token counts are kept by
+    the Sampler across steps (TokenCounts), so the batch carries only references to the tokens."""
+
+    rows: Tensor  # [P] int64: their indices in the batch
+    requests: list[ScheduledRequest]
+    presence: Tensor  # [P, 1] float32
+    frequency: Tensor  # [P, 1] float32
+    repetition: Tensor  # [P, 1] float32
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Tensors for the rows that sample this step, in batch order (one logits row each)."""
+    """The rows that sample this step, in batch order (one logits row each). Every stage of the
+    sampler touches only the rows that ask for it: greedy rows are an argmax and nothing else."""
 
     num_rows: int
     vocab_size: int
-    random_rows: Tensor | None  # int64 indices of the rows that sample; None when all are greedy
-    temperature: Tensor  # [B] float32 (1.0 on greedy rows, where it is unused)
-    top_k: Tensor | None  # [B] int64, 0 = off; None when no row uses top-k
-    top_p: Tensor | None  # [B] float32, 1.0 = off
-    min_p: Tensor | None  # [B] float32, 0.0 = off
-    # A seeded row's random numbers depend only on (seed, step): the batch around it never matters.
-    seed_lo: Tensor  # [B] int64, low 32 bits of the seed
-    seed_hi: Tensor  # [B] int64, next 32 bits
-    step: Tensor  # [B] int64: output tokens generated so far (unchanged by preemption/recompute)
+    random: RandomRows | None  # None when every row is greedy
     logit_bias: SparseLogitUpdate | None
     banned: SparseLogitUpdate | None  # min_tokens: EOS/stop tokens forced to -inf
-    penalties: Penalties | None
+    penalties: PenaltyRows | None
     num_logprobs: list[int | None]  # per row: None, or how many top alternatives to return
     logprob_rows: Tensor | None  # int64 indices of the rows that want logprobs
     max_num_logprobs: int
@@ -68,41 +77,65 @@ class SamplingBatch:
     def from_requests(cls, requests: Sequence[ScheduledRequest], vocab_size: int, eos_token_ids: tuple[int, ...],
                       device: torch.device) -> "SamplingBatch":
         """Requests whose `samples` is false (mid-prompt chunks) are skipped: rows correspond to
-        the requests that sample, in order."""
+        the requests that sample, in order. One pass over the rows sorts them by what they ask
+        for; the per-row work does not depend on the vocabulary or on the tokens so far."""
         rows = [r for r in requests if r.samples]
-        params = [r.sampling_params for r in rows]
-        for p in params:
+        random_rows: list[int] = []
+        penalty_rows: list[int] = []
+        num_logprobs: list[int | None] = []
+        for i, r in enumerate(rows):
+            p = r.sampling_params
             check_token_ids_in_vocab(p, vocab_size)
-
-        def tensor(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        greedy = [p.is_greedy or p.temperature < GREEDY_TEMPERATURE for p in params]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        top_k = [p.top_k if p.top_k < vocab_size else 0 for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        seeds = [r.seed & ((1 << 64) - 1) for r in rows]
-        num_logprobs = [p.logprobs for p in params]
+            if not (p.is_greedy or p.temperature < GREEDY_TEMPERATURE):
+                random_rows.append(i)
+            if p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1:
+                penalty_rows.append(i)
+            num_logprobs.append(p.logprobs)
         logprob_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+        params = [r.sampling_params for r in rows]
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
-            random_rows=tensor(random_rows, torch.int64) if random_rows else None,
-            temperature=tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
-            top_k=tensor(top_k, torch.int64) if any(top_k) else None,
-            top_p=tensor(top_p, torch.float32) if any(v < 1.0 for v in top_p) else None,
-            min_p=tensor(min_p, torch.float32) if any(v > 0.0 for v in min_p) else None,
-            seed_lo=tensor([s & _MASK_32 for s in seeds], torch.int64),
-            seed_hi=tensor([(s >> 32) & _MASK_32 for s in seeds], torch.int64),
-            step=tensor([len(r.output_token_ids) & _MASK_32 for r in rows], torch.int64),
+            random=_random_rows([rows[i] for i in random_rows], random_rows, vocab_size, device) if random_rows else None,
             logit_bias=_logit_bias(params, device),
             banned=_min_tokens_bans(rows, eos_token_ids, device),
-            penalties=_penalties(rows, vocab_size, device),
+            penalties=_penalty_rows([rows[i] for i in penalty_rows], penalty_rows, device) if penalty_rows else None,
             num_logprobs=num_logprobs,
-            logprob_rows=tensor(logprob_rows, torch.int64) if logprob_rows else None,
+            logprob_rows=torch.tensor(logprob_rows, dtype=torch.int64, device=device) if logprob_rows else None,
             max_num_logprobs=max((n for n in num_logprobs if n is not None), default=0),
         )
+
+
+def _random_rows(rows: list[ScheduledRequest], indices: list[int], vocab_size: int, device: torch.device) -> RandomRows:
+    params = [r.sampling_params for r in rows]
+
+    def tensor(values: list, dtype: torch.dtype) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    top_k = [p.top_k if p.top_k < vocab_size else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    seeds = [r.seed & ((1 << 64) - 1) for r in rows]
+    return RandomRows(
+        rows=tensor(indices, torch.int64),
+        temperature=tensor([p.temperature for p in params], torch.float32),
+        top_k=tensor(top_k, torch.int64) if any(top_k) else None,
+        top_p=tensor(top_p, torch.float32) if any(v < 1.0 for v in top_p) else None,
+        min_p=tensor(min_p, torch.float32) if any(v > 0.0 for v in min_p) else None,
+        seed_lo=tensor([s & _MASK_32 for s in seeds], torch.int64),
+        seed_hi=tensor([(s >> 32) & _MASK_32 for s in seeds], torch.int64),
+        step=tensor([len(r.output_token_ids) & _MASK_32 for r in rows], torch.int64),
+    )
+
+
+def _penalty_rows(rows: list[ScheduledRequest], indices: list[int], device: torch.device) -> PenaltyRows:
+    def column(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    params = [r.sampling_params for r in rows]
+    return PenaltyRows(torch.tensor(indices, dtype=torch.int64, device=device), rows,
+                       column([p.presence_penalty for p in params]), column([p.frequency_penalty for p in params]),
+                       column([p.repetition_penalty for p in params]))
 
 
 def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
@@ -145,27 +178,3 @@ def _min_tokens_bans(rows: list[ScheduledRequest], eos_token_ids: tuple[int, ...
     return SparseLogitUpdate(torch.tensor(row_ids, dtype=torch.int64, device=device),
                              torch.tensor(tokens, dtype=torch.int64, device=device),
                              torch.full((len(entries),), float("-inf"), dtype=torch.float32, device=device))
-
-
-def _penalties(rows: list[ScheduledRequest], vocab_size: int, device: torch.device) -> Penalties | None:
-    params = [r.sampling_params for r in rows]
-    if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params):
-        return None
-    out_rows = [i for i, r in enumerate(rows) for _ in r.output_token_ids]
-    out_tokens = [t for r in rows for t in r.output_token_ids]
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    if out_tokens:
-        counts.index_put_((torch.tensor(out_rows, device=device), torch.tensor(out_tokens, device=device)),
-                          torch.ones(len(out_tokens), device=device), accumulate=True)
-    seen = counts > 0
-    prompt_rows = [i for i, r in enumerate(rows) if r.sampling_params.repetition_penalty != 1
-                   for _ in r.prompt_token_ids]
-    if prompt_rows:  # the prompt matters only for the repetition penalty
-        prompt_tokens = [t for r in rows if r.sampling_params.repetition_penalty != 1 for t in r.prompt_token_ids]
-        seen[torch.tensor(prompt_rows, device=device), torch.tensor(prompt_tokens, device=device)] = True
-
-    def column(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-    return Penalties(counts, seen, column([p.presence_penalty for p in params]),
-                     column([p.frequency_penalty for p in params]), column([p.repetition_penalty for p in params]))

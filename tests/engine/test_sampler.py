@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, apply_penalties, draw_inverse_cdf
+from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, draw_inverse_cdf
 from kvserve.engine.sampling.sampling_batch import SamplingBatch, check_token_ids_in_vocab
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
@@ -123,7 +123,7 @@ def test_presence_and_frequency_penalties_follow_their_definition() -> None:
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
     batch = batch_of([request(params, prompt=[4, 4], output=[3, 3, 5, 3])], vocab=6)
     logits = torch.tensor([[1.0, -1.0, 2.0, 3.0, 0.5, -2.0]])
-    out = apply_penalties(logits, batch.penalties)
+    out = Sampler().processed_logits(logits, batch)
     expected = logits.clone()
     expected[0, 3] -= 0.5 + 0.25 * 3  # three occurrences in the output
     expected[0, 5] -= 0.5 + 0.25 * 1
@@ -135,14 +135,14 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
     params = SamplingParams(repetition_penalty=2.0)
     batch = batch_of([request(params, prompt=[0, 1], output=[2])], vocab=5)
     logits = torch.tensor([[3.0, -3.0, 1.0, 4.0, -1.0]])
-    out = apply_penalties(logits, batch.penalties)
+    out = Sampler().processed_logits(logits, batch)
     assert out.tolist() == [[1.5, -6.0, 0.5, 4.0, -1.0]]
 
 
 def test_penalties_are_per_row_and_absent_when_unused() -> None:
     assert batch_of([request(SamplingParams())], vocab=4).penalties is None
     batch = batch_of([request(SamplingParams(), output=[1]), request(SamplingParams(presence_penalty=1.0), output=[1])], 4)
-    out = apply_penalties(torch.zeros(2, 4), batch.penalties)
+    out = Sampler().processed_logits(torch.zeros(2, 4), batch)
     assert out.tolist() == [[0, 0, 0, 0], [0, -1, 0, 0]]
 
 
@@ -176,7 +176,7 @@ def test_greedy_is_the_argmax_of_the_processed_logits() -> None:
     top = int(logits[0].argmax())
     penalised = SamplingParams(temperature=0, presence_penalty=2.0, repetition_penalty=1.5)
     moved = Sampler()(logits[:1], batch_of([request(penalised, output=[top])], vocab=100))
-    expected = apply_penalties(logits[:1], batch_of([request(penalised, output=[top])], vocab=100).penalties)
+    expected = Sampler().processed_logits(logits[:1], batch_of([request(penalised, output=[top])], vocab=100))
     assert moved.token_ids == [int(expected.argmax())]
     assert top_k_one_is_greedy(logits)
 
