@@ -17,6 +17,7 @@ from kvserve.server.errors import install_error_handlers
 from kvserve.server.http_metrics import HttpMetrics, HttpMetricsMiddleware
 from kvserve.server.ignored_fields import IgnoredFieldsHeaderMiddleware
 from kvserve.server.info_routes import kvserve_version, models_router, operations_router
+from kvserve.server.openapi import install_openapi
 from kvserve.server.serving_state import ServingState
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tokenizer_info import tokenizer_info_router
@@ -38,6 +39,7 @@ def build_app(engine: ServingEngine | None, settings: ServerSettings, *,
     app.include_router(tokenizer_info_router(state), dependencies=v1_dependencies)
     app.include_router(operations_router(state, metrics))
     app.add_middleware(IgnoredFieldsHeaderMiddleware)
+    install_openapi(app)
     if metrics is not None:
         app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     return app

@@ -39,6 +39,12 @@ def note_ignored_fields(request: Request, body: SamplingFields) -> None:
         setattr(request.state, _STATE_KEY, names)
 
 
+def _header_safe(text: str) -> str:
+    """Field names are the client's JSON keys: anything but printable ASCII (non-Latin letters,
+    CR/LF that would split the header) is escaped as \\uXXXX so the response can always be sent."""
+    return "".join(c if " " <= c <= "~" else f"\\u{ord(c):04x}" for c in text)
+
+
 class IgnoredFieldsHeaderMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -52,7 +58,7 @@ class IgnoredFieldsHeaderMiddleware:
             if message["type"] == "http.response.start":
                 names = scope.get("state", {}).get(_STATE_KEY)
                 if names:
-                    MutableHeaders(scope=message).append(IGNORED_FIELDS_HEADER, ", ".join(names))
+                    MutableHeaders(scope=message).append(IGNORED_FIELDS_HEADER, _header_safe(", ".join(names)))
             await send(message)
 
         await self.app(scope, receive, send_with_header)

@@ -1,6 +1,7 @@
 """Request and response bodies in OpenAI's shapes (field names and defaults as OpenAI and vLLM
-spell them). Requests are validated here for type and shape; ranges and caps are checked when they
-are turned into `SamplingParams` (see sampling.py), so each error names the offending field.
+spell them). Requests are validated here for type and shape, strictly (pydantic's strict mode, as OpenAI's
+API: `false` is no token id and `0` no boolean); ranges and caps are checked when they are turned
+into `SamplingParams` (see sampling.py), so each error names the offending field.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parall
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk, not only the last one
 
@@ -41,7 +42,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -78,13 +79,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -213,15 +214,15 @@ class ChatCompletionChunk(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]

@@ -60,7 +60,10 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
 
 
 def with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    return replace(params, max_tokens=max_tokens)
+    try:
+        return replace(params, max_tokens=max_tokens)
+    except SamplingParamsError as error:  # e.g. min_tokens above what the context leaves after the prompt
+        raise bad_request(f"{error} (the most this prompt leaves room for)", error.param) from None
 
 
 def _check_caps(request: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str,
