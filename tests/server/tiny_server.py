@@ -26,8 +26,10 @@ class TinyServer:
 
 
 @contextmanager
-def tiny_server(folder: Path, settings: ServerSettings | None = None, **engine_options: object) -> Iterator[TinyServer]:
-    checkpoint = write_tiny_checkpoint(folder / "tiny")
+def tiny_server(folder: Path, settings: ServerSettings | None = None, model: Path | None = None,
+                **engine_options: object) -> Iterator[TinyServer]:
+    """`model` serves another checkpoint (e.g. the default model) the same way."""
+    checkpoint = model or write_tiny_checkpoint(folder / "tiny")
     options = {"num_kv_blocks": 96, "max_model_len": 512, **engine_options}
     config = EngineConfig(model=str(checkpoint), served_model_name=MODEL, dtype="float32", device="cpu", **options)
     engine = AsyncEngine.from_config(config)
