@@ -69,6 +69,11 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage_stats(self) -> bool:
+        """As vLLM: usage on every chunk only when usage is asked for at all."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -29,7 +29,7 @@ from kvserve.server.errors import check_model, error_from_engine
 from kvserve.server.formatting import usage_of
 from kvserve.server.ignored_fields import note_ignored_fields
 from kvserve.server.generation import GenerationJob, generate_all
-from kvserve.server.protocol import SamplingFields, Usage
+from kvserve.server.protocol import PromptTokensDetails, SamplingFields, Usage
 from kvserve.server.request_body import parse_body, read_json_body
 from kvserve.server.sampling import reject_unsupported_fields
 from kvserve.server.serving_state import Admission, ServingState
@@ -80,7 +80,8 @@ async def respond(request: Request, state: ServingState, engine: ServingEngine, 
     admission = state.admit(len(jobs) * body.n)
     run = _Run(engine, jobs, body.n, formatter, state.abort_all)
     if body.stream:
-        return EventStreamResponse(run.stream(body.include_usage), on_close=admission.release)
+        return EventStreamResponse(run.stream(body.include_usage, body.continuous_usage_stats),
+                                   on_close=admission.release)
     return await _collect(request, run, admission)
 
 
@@ -104,13 +105,18 @@ class _Run:
         self.formatter = formatter
         self.abort_all = abort_all
         self.accumulators = [OutputAccumulator() for _ in jobs]
+        # Running totals for vLLM's continuous_usage_stats (usage on every chunk).
+        self._completion_tokens = 0
+        self._cached_tokens = [0] * len(jobs)
 
     async def deltas(self) -> AsyncGenerator[Choice, None]:
         """Each completion's news in arrival order, none after the completion has finished."""
         async with aclosing(generate_all(self.engine, self.jobs, self.abort_all)) as updates:
             async for update in updates:
                 job = self.jobs[update.job_index]
+                self._cached_tokens[update.job_index] = update.output.num_cached_tokens
                 for completion in self.accumulators[update.job_index].add(update.output):
+                    self._completion_tokens += len(completion.token_ids)
                     yield Choice(update.job_index * self.n + completion.index, job, completion,
                                  update.output.prompt_logprobs)
 
@@ -127,7 +133,13 @@ class _Run:
                    for job_index, output in enumerate(outputs) for c in output.outputs]
         return sorted(choices, key=lambda choice: choice.index)
 
-    async def stream(self, include_usage: bool) -> AsyncGenerator[str, None]:
+    def usage_so_far(self) -> Usage:
+        prompt_tokens = sum(len(job.prompt_token_ids) for job in self.jobs)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=self._completion_tokens,
+                     total_tokens=prompt_tokens + self._completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._cached_tokens)))
+
+    async def stream(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
         for chunk in self.formatter.opening_chunks():
             yield sse_event(chunk)
         try:
@@ -137,7 +149,10 @@ class _Run:
                     # A token whose text is still held back (a possible stop string, a partial
                     # character) makes no chunk unless it carries logprobs.
                     if delta.text or delta.logprobs or delta.finished:
-                        yield sse_event(self.formatter.chunk(choice))
+                        chunk = self.formatter.chunk(choice)
+                        if continuous_usage:
+                            chunk = chunk.model_copy(update={"usage": self.usage_so_far()})
+                        yield sse_event(chunk)
         except Exception as error:  # after the first byte, an error can only be an event
             yield sse_event(error_from_engine(error, self.engine.is_dead).body())
             yield DONE_EVENT

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from kvserve.server.ignored_fields import IGNORED_FIELDS_HEADER
+from tests.server.sse import parse_sse
 
 pytestmark = pytest.mark.anyio
 
@@ -45,11 +46,32 @@ async def test_openai_no_effect_fields_are_not_reported(client: httpx.AsyncClien
     assert IGNORED_FIELDS_HEADER not in response.headers
 
 
-async def test_guidellm_stream_options_are_accepted(client: httpx.AsyncClient) -> None:
-    body = {"prompt": "hello", "max_tokens": 2, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    response = await client.post(C, json=body)
+@pytest.mark.parametrize(("path", "body"), [
+    (C, {"prompt": "hello", "n": 2}),
+    (CHAT, {"messages": USER}),
+], ids=["completions", "chat"])
+async def test_continuous_usage_stats_put_usage_on_every_chunk(client: httpx.AsyncClient, path: str,
+                                                               body: dict) -> None:
+    """What guidellm sends: usage on each chunk, counting the completion tokens so far."""
+    request = {**body, "max_tokens": 4, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    response = await client.post(path, json=request)
     assert response.status_code == 200, response.text
+    chunks = parse_sse(response.text)
+    with_choices = [c for c in chunks if c["choices"] and c["choices"][0].get("delta", {}).get("role") is None]
+    counts = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert counts == sorted(counts) and counts[0] >= 1
+    prompt_tokens = {c["usage"]["prompt_tokens"] for c in with_choices}
+    final = chunks[-1]
+    assert final["choices"] == [] and prompt_tokens == {final["usage"]["prompt_tokens"]}
+    assert counts[-1] == final["usage"]["completion_tokens"] == 4 * body.get("n", 1)
+
+
+async def test_usage_stays_on_the_last_chunk_without_continuous_stats(client: httpx.AsyncClient) -> None:
+    request = {"prompt": "hello", "max_tokens": 3, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    chunks = parse_sse((await client.post(C, json=request)).text)
+    assert [c.get("usage") is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
 @pytest.mark.parametrize("path,body", [(C, {"prompt": "a"}), (CHAT, {"messages": USER})], ids=["completions", "chat"])
