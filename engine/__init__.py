@@ -6,10 +6,11 @@ KV-cache sizing) are re-exported here, so `kvserve.server` never imports `kvserv
 `kvserve.paging` itself (an import-linter contract in pyproject.toml checks it).
 """
 
+from kvserve.engine.admission import AdmissionError, PromptTooLongError
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.llm import LLM
-from kvserve.engine.llm_engine import LLMEngine, PromptTooLongError
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.model.model_shape import resolve_model_shape
 from kvserve.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
@@ -21,6 +22,7 @@ __all__ = [
     "LLMEngine",
     "AsyncEngine",
     "EngineDeadError",
+    "AdmissionError",
     "PromptTooLongError",
     "EngineConfig",
     "ConfigError",

@@ -2,7 +2,7 @@
 
     event loop (server)                      engine thread
     ───────────────────                      ─────────────
-    generate(): tokenize, validate ──cmd──►  add_request
+    generate(): tokenize ───────────cmd──►  add_request (admission check)
                  await queue.get() ◄─out───  step() ... step()
     client gone: abort ─────────────cmd──►  abort_request (before the next step)
 
@@ -133,14 +133,22 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                      priority: int = 0, cache_salt: str | None = None) -> None:
+        """The engine's admission check, callable from the event loop (it reads only immutable
+        facts): a caller that must refuse before it answers (the HTTP server) runs it first."""
+        self.engine.check_request(prompt_token_ids, sampling_params, priority=priority, cache_salt=cache_salt)
+
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *, priority: int = 0
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's deltas. A request the engine refuses (AdmissionError) raises
+        from the first iteration, before any output."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}") from self.dead_error
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.validate_prompt(token_ids, sampling_params)
 
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -152,7 +160,8 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             raise EngineDeadError(f"the engine has failed: {self.dead_error}") from self.dead_error
         arrival = time.monotonic()
-        self._submit(lambda: self._add(request_id, text, token_ids, sampling_params, priority, arrival, stream))
+        self._submit(lambda: self._add(request_id, text, token_ids, sampling_params, priority, cache_salt, arrival,
+                                       stream))
         finished = False
         try:
             while True:
@@ -175,11 +184,12 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _add(self, request_id, text, token_ids, params, priority, arrival, stream: _Stream) -> None:
+    def _add(self, request_id, text, token_ids, params, priority, cache_salt, arrival, stream: _Stream) -> None:
         try:
             self.engine.add_request(request_id, text if text is not None else token_ids, params,
-                                    arrival_time=arrival, priority=priority, prompt_token_ids=token_ids)
-        except ValueError as error:  # validated already; a race (duplicate id) lands here
+                                    arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                                    prompt_token_ids=token_ids)
+        except ValueError as error:  # the admission check refused it (or a duplicate id)
             stream.put(error)
 
     def _deliver(self, output: RequestOutput) -> None:

@@ -34,7 +34,6 @@ class EngineParts:
     tokenizer: Tokenizer
     scheduler: Scheduler
     model_runner: ModelRunner
-    max_model_len: int
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -89,4 +88,4 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         f" with {config.quantization} weights" if config.quantization else "", str(kv_dtype).removeprefix("torch."),
         num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name, threads,
     )
-    return EngineParts(model_config, tokenizer, scheduler, runner, max_model_len)
+    return EngineParts(model_config, tokenizer, scheduler, runner)

@@ -14,12 +14,12 @@ import random
 import time
 from typing import Sequence
 
+from kvserve.engine.admission import AdmissionCheck
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling.sampling_batch import check_token_ids_in_vocab
 from kvserve.engine.stats import EngineLoad, StatsListener, StepStats
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler import Scheduler
@@ -32,31 +32,6 @@ logger = logging.getLogger(__name__)
 _SEED_MASK = (1 << 63) - 1
 
 
-class PromptTooLongError(ValueError):
-    """The prompt (plus the tokens asked for) does not fit in max_model_len. `param` names what to
-    change: "prompt", or the completion-length parameter as the caller spells it."""
-
-    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                 max_tokens_param: str = "max_tokens") -> None:
-        if max_tokens is None or num_prompt_tokens >= max_model_len:
-            self.param = "prompt"
-            message = (
-                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens. Please shorten the prompt."
-            )
-        else:
-            self.param = max_tokens_param
-            message = (
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-                f"for the completion). Please reduce the prompt or {max_tokens_param}."
-            )
-        super().__init__(message)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.max_tokens = max_tokens
-        self.max_model_len = max_model_len
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -65,7 +40,6 @@ class LLMEngine:
         tokenizer: Tokenizer,
         scheduler: Scheduler,
         model_runner: ModelRunner,
-        max_model_len: int,
         stats_listeners: Sequence[StatsListener] = (),
     ) -> None:
         self.config = config
@@ -74,7 +48,7 @@ class LLMEngine:
         self.eos_token_ids = end_of_generation_ids(model_config, tokenizer.eos_token_id)
         self.scheduler = scheduler
         self.model_runner = model_runner
-        self.max_model_len = max_model_len
+        self.admission = AdmissionCheck(scheduler.config.max_model_len, model_config.vocab_size, scheduler.config.policy)
         self.stats_listeners = list(stats_listeners)
         self.tracker = OutputTracker(tokenizer)
         self._seed_rng = random.Random(config.seed)
@@ -85,24 +59,21 @@ class LLMEngine:
         from kvserve.engine.engine_builder import build_engine_parts
 
         parts = build_engine_parts(config)
-        return cls(config, parts.model_config, parts.tokenizer, parts.scheduler, parts.model_runner,
-                   parts.max_model_len, stats_listeners)
+        return cls(config, parts.model_config, parts.tokenizer, parts.scheduler, parts.model_runner, stats_listeners)
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens of one request at most: the scheduler's setting, resolved from
+        --max-model-len (or the model's context length) when the engine was built."""
+        return self.scheduler.config.max_model_len
 
     # ------------------------------------------------------------------ requests in
 
-    def validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("The prompt is empty: give at least one token.")
-        if num_prompt >= self.max_model_len or (
-            params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len
-        ):
-            raise PromptTooLongError(num_prompt, params.max_tokens, self.max_model_len)
-        vocab = self.model_config.vocab_size
-        check_token_ids_in_vocab(params, vocab)
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"Token id {bad} in the prompt is outside the vocabulary [0, {vocab}).")
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
+                      cache_salt: str | None = None) -> None:
+        """Raises AdmissionError (naming the parameter) for a request the engine would not take;
+        add_request runs it for every request, and callers may run it earlier."""
+        self.admission.check(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
 
     def add_request(
         self,
@@ -112,10 +83,13 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
         """`prompt` is text or token ids; a caller that already tokenized the text passes the ids
-        too, so the text is kept for the output without being encoded twice."""
+        too, so the text is kept for the output without being encoded twice. `priority` orders the
+        request under priority scheduling (lower runs first); `cache_salt` keeps its prefix-cache
+        entries apart from requests with another salt (or none)."""
         if request_id in self.tracker.groups:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         text = prompt if isinstance(prompt, str) else None
@@ -125,7 +99,7 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        self.validate_prompt(token_ids, params)
+        self.check_request(token_ids, params, priority=priority, cache_salt=cache_salt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = [
             Request(
@@ -135,10 +109,10 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
                 priority=priority,
+                cache_salt=cache_salt,
                 parent_id=request_id,
                 index=index,
                 seed=self._seed_for(params, index),
-                max_model_len=self.max_model_len,
             )
             for index in range(params.n)
         ]

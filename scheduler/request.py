@@ -46,8 +46,6 @@ class Request:
     index: int = 0
     # Effective seed for the sampler: the user's seed (mixed with `index`), or a random one.
     seed: int = 0
-    # The maximum total length (prompt + output) allowed by the model.
-    max_model_len: int = 2**31 - 1
 
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt followed by output, kept as one growing list so the per-step path never concatenates.

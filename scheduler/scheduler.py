@@ -78,11 +78,11 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} must be new (WAITING, nothing computed) to be added")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt; at least one token is needed")
-        max_len = min(self.config.max_model_len, request.max_model_len)
-        if request.num_tokens > max_len:
+        # The engine's admission check refuses these with a proper error; here they would never fit.
+        if request.num_tokens > self.config.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r} has {request.num_tokens} prompt tokens but max_model_len is "
-                f"{max_len}; shorten the prompt or raise max_model_len"
+                f"{self.config.max_model_len}; shorten the prompt or raise max_model_len"
             )
         held = self._siblings.hold(request)  # raises before changing anything
         self._requests[request.request_id] = request

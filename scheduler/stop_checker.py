@@ -26,7 +26,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if params.max_tokens is not None and num_output >= params.max_tokens:
         return _finish(request, FinishReason.LENGTH, None)
     num_tokens = len(request.all_token_ids)
-    if num_tokens >= max_model_len or num_tokens >= request.max_model_len:
+    if num_tokens >= max_model_len:
         return _finish(request, FinishReason.LENGTH, None)
     return False
 

@@ -12,7 +12,7 @@ from kvserve.server.engine_protocol import ServingEngine, ServingTokenizer
 from kvserve.server.errors import bad_request
 from kvserve.server.formatting import chat_logprobs
 from kvserve.server.generation import GenerationJob
-from kvserve.server.prompts import chat_messages, resolve_max_tokens
+from kvserve.server.prompts import admit, chat_messages, resolve_max_tokens
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, Usage, new_id,
                                      now_s)
@@ -36,9 +36,10 @@ def chat_router(state: ServingState) -> APIRouter:
                                      logprobs_param="top_logprobs", limits=limits)
         prompt_text = _render(engine, body)
         token_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
-        max_tokens = resolve_max_tokens(len(token_ids), requested, engine.max_model_len, limits, param)
+        params = with_max_tokens(base, resolve_max_tokens(len(token_ids), requested, engine.max_model_len, limits))
+        admit(engine, token_ids, params, param)
         response_id = new_id("chatcmpl")
-        jobs = [GenerationJob(f"{response_id}-0", prompt_text, token_ids, with_max_tokens(base, max_tokens))]
+        jobs = [GenerationJob(f"{response_id}-0", prompt_text, token_ids, params)]
         formatter = _ChatFormatter(body.n, top_logprobs, engine.tokenizer, response_id, now_s(),
                                    engine.config.model_name)
         return await respond(request, state, engine, jobs, body, formatter)

@@ -20,7 +20,7 @@ from kvserve.server.formatting import completion_logprobs
 from kvserve.server.generation import GenerationJob
 from kvserve.server.limits import ServerLimits
 from kvserve.server.prompt_logprobs_format import echoed_completion_logprobs, vllm_prompt_logprobs
-from kvserve.server.prompts import completion_prompts, resolve_max_tokens
+from kvserve.server.prompts import admit, completion_prompts, resolve_max_tokens
 from kvserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                      Usage, new_id, now_s)
 from kvserve.server.responder import Choice, read_generation_request, respond
@@ -42,12 +42,13 @@ def completions_router(state: ServingState) -> APIRouter:
         base = replace(base, prompt_logprobs=_prompt_logprobs(body, limits))
         prompts = completion_prompts(body.prompt, engine.tokenizer, limits)
         response_id = new_id("cmpl")
-        jobs = [
-            GenerationJob(f"{response_id}-{i}", p.text, p.token_ids,
-                          with_max_tokens(base, resolve_max_tokens(len(p.token_ids), max_tokens,
-                                                                   engine.max_model_len, limits)))
-            for i, p in enumerate(prompts)
-        ]
+        jobs = []
+        for i, p in enumerate(prompts):
+            params = with_max_tokens(base, resolve_max_tokens(len(p.token_ids), max_tokens,
+                                                              engine.max_model_len, limits))
+            admit(engine, p.token_ids, params)
+            text = p.text if p.text is not None else engine.tokenizer.decode(p.token_ids, skip_special_tokens=False)
+            jobs.append(GenerationJob(f"{response_id}-{i}", text, p.token_ids, params))
         formatter = _CompletionFormatter(body, engine.tokenizer, jobs, response_id, now_s(),
                                          engine.config.model_name, score_only)
         return await respond(request, state, engine, jobs, body, formatter)

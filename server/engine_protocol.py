@@ -59,6 +59,9 @@ class ServingEngine(Protocol):
     @property
     def load(self) -> EngineLoad: ...
 
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> None:
+        """Raises AdmissionError for a request the engine would refuse."""
+
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
                  *, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
 

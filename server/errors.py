@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.engine import AdmissionError
+
 logger = logging.getLogger(__name__)
 
 # nginx's convention for "client closed the request": nobody reads it, but logs and metrics do.
@@ -86,6 +88,8 @@ def check_model(requested: str | None, served: str) -> None:
 
 def error_from_engine(error: Exception, engine_dead: bool) -> APIError:
     """What a failure raised by `engine.generate` means for the client."""
+    if isinstance(error, AdmissionError) and not engine_dead:
+        return bad_request(str(error), error.param, code=error.code)
     if isinstance(error, ValueError) and not engine_dead:  # a request the engine refused
         return bad_request(str(error))
     if engine_dead:

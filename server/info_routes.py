@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.server.errors import bad_request, check_model
 from kvserve.server.http_metrics import HttpMetrics
-from kvserve.server.prompts import chat_messages, check_token_ids
+from kvserve.server.prompts import chat_messages
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, now_s
 from kvserve.server.request_body import parse_body, read_json_body
 from kvserve.server.serving_state import Phase, ServingState
@@ -79,7 +79,9 @@ def operations_router(state: ServingState, metrics: HttpMetrics | None) -> APIRo
         body = parse_body(DetokenizeRequest, await read_json_body(request, state.settings.limits.max_body_bytes))
         engine = state.ready_engine()
         check_model(body.model, engine.config.model_name)
-        check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < engine.tokenizer.vocab_size), None)
+        if bad is not None:  # the tokenizer's vocabulary: this route only decodes
+            raise bad_request(f"Token id {bad} is outside the vocabulary [0, {engine.tokenizer.vocab_size}).", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     if metrics is not None:

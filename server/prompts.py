@@ -1,15 +1,18 @@
-"""Turns request prompts into token ids and checks they fit, all before anything is streamed.
+"""Turns request prompts into token ids and runs the engine's admission check on them, all before
+anything is streamed.
 
-Tokenizing here (not in the engine) lets the server answer 400 for an over-long prompt with both
-numbers, and lets the engine skip a second tokenization: it receives the ids.
+Tokenizing here (not in the engine) lets the server refuse a request with a 400 before the
+response starts, and lets the engine skip a second tokenization: it receives the ids. What a
+request must satisfy (it fits in max_model_len, its token ids exist, ...) is the engine's
+admission check alone; `admit` turns its refusal into the OpenAI error.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.engine.llm_engine import PromptTooLongError
-from kvserve.server.engine_protocol import ServingTokenizer
+from kvserve.engine import AdmissionError, PromptTooLongError, SamplingParams
+from kvserve.server.engine_protocol import ServingEngine, ServingTokenizer
 from kvserve.server.errors import bad_request
 from kvserve.server.limits import ServerLimits
 from kvserve.server.protocol import ChatMessage
@@ -17,7 +20,7 @@ from kvserve.server.protocol import ChatMessage
 
 @dataclass(frozen=True)
 class TokenizedPrompt:
-    text: str  # what echo returns; for token-id prompts, their decoding
+    text: str | None  # the prompt as sent; None for token ids (decode them once they are admitted)
     token_ids: list[int]
 
 
@@ -35,37 +38,33 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], to
     if len(items) > limits.max_prompts_per_request:
         raise bad_request(f"At most {limits.max_prompts_per_request} prompts are allowed per request, "
                           f"got {len(items)}.", "prompt")
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            prompts.append(TokenizedPrompt(item, tokenizer.encode(item, add_special_tokens=True)))
-        else:
-            check_token_ids(item, tokenizer.vocab_size, "prompt")
-            prompts.append(TokenizedPrompt(tokenizer.decode(item, skip_special_tokens=False), item))
-    for tokenized in prompts:
-        if not tokenized.token_ids:
-            raise bad_request("prompt must contain at least one token.", "prompt")
-    return prompts
+    return [TokenizedPrompt(item, tokenizer.encode(item, add_special_tokens=True)) if isinstance(item, str)
+            else TokenizedPrompt(None, item) for item in items]
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in messages]
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"Token id {bad} is outside the vocabulary [0, {vocab_size}).", param)
-
-
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,
-                       limits: ServerLimits, param: str = "max_tokens") -> int:
-    """The completion budget for one prompt: the requested number, which must fit with the
-    prompt in max_model_len, or (when not given) whatever fits, up to the server's cap."""
+                       limits: ServerLimits) -> int | None:
+    """The completion budget for one prompt: the requested number, or (when not given) the rest
+    of the context, as vLLM does, at most the server's per-request cap. None when the prompt
+    leaves no room: the admission check then refuses the prompt."""
+    if requested is not None:
+        return requested
     room = max_model_len - num_prompt_tokens
-    if room <= 0 or (requested is not None and requested > room):
-        error = PromptTooLongError(num_prompt_tokens, requested, max_model_len, max_tokens_param=param)
-        raise bad_request(str(error), error.param, code="context_length_exceeded")
-    if requested is None:
-        return min(room, limits.max_tokens)
-    return requested
+    return min(room, limits.max_tokens) if room > 0 else None
+
+
+def admit(engine: ServingEngine, token_ids: list[int], params: SamplingParams,
+          max_tokens_param: str = "max_tokens") -> None:
+    """The engine's admission check; a refusal becomes a 400 naming the parameter, spelled as
+    this endpoint spells it (chat's budget may be max_completion_tokens)."""
+    try:
+        engine.check_request(token_ids, params)
+    except PromptTooLongError as error:
+        named = PromptTooLongError(error.num_prompt_tokens, error.max_tokens, error.max_model_len, max_tokens_param)
+        raise bad_request(str(named), named.param, code=named.code) from None
+    except AdmissionError as error:
+        raise bad_request(str(error), error.param, code=error.code) from None

@@ -59,7 +59,7 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
         raise bad_request(str(error), param) from None
 
 
-def with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+def with_max_tokens(params: SamplingParams, max_tokens: int | None) -> SamplingParams:
     try:
         return replace(params, max_tokens=max_tokens)
     except SamplingParamsError as error:  # e.g. min_tokens above what the context leaves after the prompt

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from kvserve.scheduler.output import ScheduledRequest
-from kvserve.scheduler.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.scheduler.sampling_params import SamplingParams
 
 _MASK_32 = 0xFFFFFFFF
 # Below this temperature a row is sampled greedily: dividing by it would overflow float32 logits.
@@ -85,7 +85,6 @@ class SamplingBatch:
         num_logprobs: list[int | None] = []
         for i, r in enumerate(rows):
             p = r.sampling_params
-            check_token_ids_in_vocab(p, vocab_size)
             if not (p.is_greedy or p.temperature < GREEDY_TEMPERATURE):
                 random_rows.append(i)
             if p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1:
@@ -136,18 +135,6 @@ def _penalty_rows(rows: list[ScheduledRequest], indices: list[int], device: torc
     return PenaltyRows(torch.tensor(indices, dtype=torch.int64, device=device), rows,
                        column([p.presence_penalty for p in params]), column([p.frequency_penalty for p in params]),
                        column([p.repetition_penalty for p in params]))
-
-
-def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Token ids in logit_bias and stop_token_ids must exist; call at admission to answer 400."""
-    for token in params.logit_bias:
-        if token >= vocab_size:
-            raise SamplingParamsError("logit_bias", f"logit_bias token id {token} is outside the vocabulary "
-                                                    f"(0..{vocab_size - 1})")
-    for token in params.stop_token_ids:
-        if token >= vocab_size:
-            raise SamplingParamsError("stop_token_ids", f"stop token id {token} is outside the vocabulary "
-                                                        f"(0..{vocab_size - 1})")
 
 
 def _logit_bias(params: list[SamplingParams], device: torch.device) -> SparseLogitUpdate | None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvserve.engine import AsyncEngine, EngineDeadError, SamplingParams
+from kvserve.engine import AdmissionError, AsyncEngine, EngineDeadError, SamplingParams
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.stats import EngineLoad
 
@@ -30,11 +30,10 @@ class ScriptedEngine:
         def encode(text: str) -> list[int]:
             return [ord(c) for c in text]
 
-    def validate_prompt(self, token_ids, params) -> None:
-        if not token_ids:
-            raise ValueError("The prompt is empty: give at least one token.")
-
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, prompt_token_ids=None) -> None:
+    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None,
+                    prompt_token_ids=None) -> None:
+        if not prompt_token_ids:  # stands in for the admission check
+            raise AdmissionError("The prompt is empty: give at least one token.", "prompt")
         self.requests[request_id] = []
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
@@ -132,9 +131,10 @@ def test_step_failure_fails_in_flight_requests_and_marks_engine_dead(run):
         asyncio.run(collect(engine, "late"))
 
 
-def test_invalid_prompt_is_rejected_before_it_reaches_the_engine(run):
+def test_a_refused_request_raises_from_generate_and_leaves_nothing_behind(run):
     scripted = ScriptedEngine()
     engine = run(scripted)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(AdmissionError, match="empty") as refused:
         asyncio.run(collect(engine, "r", prompt=""))  # "" tokenizes to no tokens
-    assert scripted.requests == {}
+    assert refused.value.param == "prompt"
+    assert scripted.requests == {} and engine.num_unfinished_requests == 0

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvserve.engine.admission import AdmissionError
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.model.model_config import ModelConfig
@@ -66,8 +67,7 @@ def make_engine(texts: dict[str, str], num_blocks: int = 64) -> LLMEngine:
         eos_token_ids=(EOS,))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
                           KVCacheManager(num_blocks, BLOCK_SIZE))
-    return LLMEngine(EngineConfig(), model_config, ByteTokenizer(), scheduler, ScriptedRunner(texts),  # type: ignore[arg-type]
-                     max_model_len=256)
+    return LLMEngine(EngineConfig(), model_config, ByteTokenizer(), scheduler, ScriptedRunner(texts))  # type: ignore[arg-type]
 
 
 def run(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
@@ -217,3 +217,14 @@ def test_a_reused_request_id_is_refused_while_running() -> None:
     engine.add_request("r", "hi", SamplingParams(max_tokens=3))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("r", "hi", SamplingParams(max_tokens=3))
+
+
+def test_add_request_runs_the_admission_check_and_keeps_nothing_it_refuses() -> None:
+    engine = make_engine({"r": "x"})
+    assert engine.max_model_len == engine.scheduler.config.max_model_len == 256
+    with pytest.raises(AdmissionError) as refused:
+        engine.add_request("r", [1, VOCAB], SamplingParams(max_tokens=1))
+    assert refused.value.param == "prompt"
+    with pytest.raises(AdmissionError, match="maximum context length is 256"):
+        engine.add_request("r", "x" * 250, SamplingParams(max_tokens=10))
+    assert not engine.has_unfinished_requests() and engine.num_unfinished_requests == 0

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, draw_inverse_cdf
-from kvserve.engine.sampling.sampling_batch import SamplingBatch, check_token_ids_in_vocab
+from kvserve.engine.sampling.sampling_batch import SamplingBatch
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
 from kvserve.scheduler.output import ScheduledRequest
-from kvserve.scheduler.sampling_params import SamplingParams, SamplingParamsError
+from kvserve.scheduler.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
@@ -291,14 +291,6 @@ def test_rows_that_do_not_sample_are_skipped_and_shapes_are_checked() -> None:
     assert Sampler()(torch.tensor([[0.0, 0.0, 9.0, 0.0]]), batch).token_ids == [2]
     with pytest.raises(ValueError, match="num_sampling_rows=1"):
         Sampler()(torch.zeros(2, 4), batch)
-
-
-def test_token_ids_outside_the_vocabulary_are_rejected() -> None:
-    with pytest.raises(SamplingParamsError) as error:
-        check_token_ids_in_vocab(SamplingParams(logit_bias={10: 1.0}), vocab_size=10)
-    assert error.value.param == "logit_bias"
-    with pytest.raises(SamplingParamsError, match="stop token id 12"):
-        batch_of([request(SamplingParams(stop_token_ids=(12,)))], vocab=10)
 
 
 def test_bfloat16_logits_are_accepted() -> None:

@@ -31,7 +31,6 @@ def make_request(
     parent_id: str | None = None,
     index: int = 0,
     seed: int = 0,
-    max_model_len: int = 2**31 - 1,
     **params: object,
 ) -> Request:
     """`prompt` is token ids, or a length (tokens derived from the id, so prompts differ)."""
@@ -50,7 +49,6 @@ def make_request(
         parent_id=parent_id,
         index=index,
         seed=seed,
-        max_model_len=max_model_len,
     )
 
 

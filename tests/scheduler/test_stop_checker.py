@@ -9,8 +9,8 @@ from tests.scheduler.harness import make_request
 EOS = 2
 
 
-def after(tokens: list[int], max_model_len: int = 2**31 - 1, **params: object) -> Request:
-    request = make_request("r", [5, 6, 7], eos=EOS, max_model_len=max_model_len, **params)
+def after(tokens: list[int], **params: object) -> Request:
+    request = make_request("r", [5, 6, 7], eos=EOS, **params)
     for token in tokens:
         request.append_output_token(token)
     return request
@@ -51,11 +51,10 @@ def test_max_tokens_is_length() -> None:
     assert not check_stop(after([4], max_tokens=2), 1000)
 
 
-def test_max_model_len_is_length_and_the_smaller_limit_applies() -> None:
+def test_max_model_len_is_length() -> None:
     # 3 prompt tokens + 2 outputs = 5 tokens.
-    assert check_stop(after([4, 4], max_tokens=None), 5)
-    request = after([4, 4], max_tokens=None, max_model_len=5)
-    assert check_stop(request, 1000) and request.finish_reason is FinishReason.LENGTH
+    request = after([4, 4], max_tokens=None)
+    assert check_stop(request, 5) and request.finish_reason is FinishReason.LENGTH
     assert not check_stop(after([4], max_tokens=None), 5)
     # max_model_len applies even before min_tokens is reached.
     assert check_stop(after([4, 4], max_tokens=None, min_tokens=4), 5)

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.admission import AdmissionCheck
 from kvserve.engine.text.chat_template import ChatTemplateError
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.stats import EngineLoad
+from kvserve.scheduler import SchedulingPolicy
 from kvserve.scheduler.output import TokenLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -67,6 +69,8 @@ class FakeEngine:
         self.config = EngineConfig(model=model, max_num_seqs=max_num_seqs)
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
+        # The real engine's admission check, over the fake model's facts.
+        self.admission = AdmissionCheck(max_model_len, FakeTokenizer.vocab_size, SchedulingPolicy.FCFS)
         self.step_delay = step_delay
         self.gate: asyncio.Event | None = None  # when set to an unset Event, steps wait for it
         self.dead_error: BaseException | None = None
@@ -109,6 +113,9 @@ class FakeEngine:
 
     def fail(self, error: BaseException) -> None:
         self.dead_error = error
+
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> None:
+        self.admission.check(prompt_token_ids, sampling_params)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
                        *, priority: int = 0) -> AsyncIterator[RequestOutput]:

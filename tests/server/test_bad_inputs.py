@@ -6,6 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvserve.server.app import build_app
+from kvserve.server.settings import ServerSettings
 from tests.server.fake_engine import MODEL
 
 pytestmark = pytest.mark.anyio
@@ -21,6 +23,8 @@ CASES = [
     ("empty string prompt", C, {"prompt": ""}, 400, "prompt"),
     ("token id outside vocab", C, {"prompt": [1, 99999]}, 400, "prompt"),
     ("negative token id", C, {"prompt": [-1]}, 400, "prompt"),
+    ("logit_bias token outside vocab", C, {"prompt": "a", "logit_bias": {"300": 1}}, 400, "logit_bias"),
+    ("stop_token_ids outside vocab", C, {"prompt": "a", "stop_token_ids": [1, 300]}, 400, "stop_token_ids"),
     ("max_tokens zero", C, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens string", C, {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
     ("temperature negative", C, {"prompt": "a", "temperature": -1}, 400, "temperature"),
@@ -112,3 +116,16 @@ async def assert_healthy(client: httpx.AsyncClient) -> None:
     assert (await client.get("/health")).status_code == 200
     good = await client.post(C, json={"prompt": "ok", "max_tokens": 2})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_the_models_vocabulary_decides_not_the_tokenizers(engine) -> None:
+    """The server asks the engine's admission check, which knows the model: an id the tokenizer
+    has but the model lacks is refused (the fake tokenizer knows 300 ids; this model 200)."""
+    from kvserve.engine.admission import AdmissionCheck
+
+    engine.admission = AdmissionCheck(engine.max_model_len, 200, engine.admission.policy)
+    app = build_app(engine, ServerSettings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as http:
+        error = (await http.post(C, json={"prompt": [5, 250], "max_tokens": 1})).json()["error"]
+        assert (error["param"], error["message"]) == ("prompt", "Token id 250 in the prompt is outside the vocabulary [0, 200).")
+        assert (await http.post(C, json={"prompt": [5, 199], "max_tokens": 1})).status_code == 200

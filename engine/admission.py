@@ -1,0 +1,89 @@
+"""Admission: the one check a request passes before the engine takes it.
+
+Everything that depends on the served model is checked here, once, against the engine's own
+facts: the prompt fits in max_model_len (with max_tokens, when given), every token id (prompt,
+logit_bias, stop_token_ids) is a row of the model's vocabulary, `priority` is used only under
+priority scheduling and `cache_salt` is a real salt. Ranges that need no model (temperature, n,
+...) are SamplingParams' own checks.
+
+`LLMEngine.add_request` runs it for every request. The server runs the same check before it
+answers (so a refusal is a 400 rather than an error event inside a stream): an `AdmissionError`
+names the parameter at fault, as the OpenAI API spells it, and OpenAI's error code where there
+is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvserve.scheduler.config import SchedulingPolicy
+from kvserve.scheduler.sampling_params import SamplingParams
+
+
+class AdmissionError(ValueError):
+    """A request the engine will not take. `param` names the field to change; `code` is
+    OpenAI's error code for the case, if it has one."""
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class PromptTooLongError(AdmissionError):
+    """The prompt (plus the tokens asked for) does not fit in max_model_len. `param` is "prompt",
+    or the completion-length parameter as the caller spells it."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                 max_tokens_param: str = "max_tokens") -> None:
+        if max_tokens is None or num_prompt_tokens >= max_model_len:
+            param = "prompt"
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens. Please shorten the prompt."
+            )
+        else:
+            param = max_tokens_param
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                f"for the completion). Please reduce the prompt or {max_tokens_param}."
+            )
+        super().__init__(message, param, code="context_length_exceeded")
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+@dataclass(frozen=True)
+class AdmissionCheck:
+    """The engine's facts a request is checked against. Immutable, so any thread may call it."""
+
+    max_model_len: int
+    vocab_size: int  # the model's: the rows of its embedding and logits
+    policy: SchedulingPolicy
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
+              cache_salt: str | None = None) -> None:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise AdmissionError("The prompt is empty: give at least one token.", "prompt")
+        if num_prompt >= self.max_model_len or (
+            params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len
+        ):
+            raise PromptTooLongError(num_prompt, params.max_tokens, self.max_model_len)
+        self._check_in_vocab(prompt_token_ids, "prompt", "Token id {} in the prompt")
+        self._check_in_vocab(params.logit_bias, "logit_bias", "logit_bias token id {}")
+        self._check_in_vocab(params.stop_token_ids, "stop_token_ids", "stop token id {}")
+        if priority != 0 and self.policy is not SchedulingPolicy.PRIORITY:
+            # As vLLM: a priority that would be silently ignored is an error.
+            raise AdmissionError(f"priority {priority} needs priority scheduling; this engine schedules "
+                                 f"{self.policy.value} (start it with --scheduling-policy priority).", "priority")
+        if cache_salt is not None and not cache_salt:
+            raise AdmissionError("cache_salt must be a non-empty string when given.", "cache_salt")
+
+    def _check_in_vocab(self, token_ids: Iterable[int], param: str, what: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise AdmissionError(f"{what.format(bad)} is outside the vocabulary [0, {self.vocab_size}).", param)

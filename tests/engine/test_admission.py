@@ -1,0 +1,58 @@
+"""The engine's one admission check: every refusal is an AdmissionError naming the parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.engine.admission import AdmissionCheck, AdmissionError, PromptTooLongError
+from kvserve.scheduler import SamplingParams, SchedulingPolicy
+
+FCFS = AdmissionCheck(max_model_len=16, vocab_size=100, policy=SchedulingPolicy.FCFS)
+
+
+def refusal(check: AdmissionCheck, prompt: list[int], params: SamplingParams = SamplingParams(max_tokens=4),
+            **kwargs: object) -> AdmissionError:
+    with pytest.raises(AdmissionError) as refused:
+        check.check(prompt, params, **kwargs)  # type: ignore[arg-type]
+    return refused.value
+
+
+def test_a_request_that_fits_is_admitted() -> None:
+    FCFS.check([1, 2, 3], SamplingParams(max_tokens=13, logit_bias={99: 1.0}, stop_token_ids=(0,)))
+    FCFS.check(list(range(15)), SamplingParams(max_tokens=None))  # None: up to max_model_len
+
+
+def test_empty_prompt() -> None:
+    assert refusal(FCFS, []).param == "prompt"
+
+
+@pytest.mark.parametrize(("num_prompt", "max_tokens", "param"), [(16, None, "prompt"), (20, 1, "prompt"),
+                                                                 (10, 7, "max_tokens")])
+def test_context_length_names_what_to_change(num_prompt: int, max_tokens: int | None, param: str) -> None:
+    error = refusal(FCFS, [1] * num_prompt, SamplingParams(max_tokens=max_tokens))
+    assert isinstance(error, PromptTooLongError)
+    assert (error.param, error.code, error.max_model_len) == (param, "context_length_exceeded", 16)
+    assert "maximum context length is 16 tokens" in str(error)
+
+
+@pytest.mark.parametrize(("prompt", "params", "param"), [
+    ([1, 100], SamplingParams(max_tokens=1), "prompt"),
+    ([-1], SamplingParams(max_tokens=1), "prompt"),
+    ([1], SamplingParams(max_tokens=1, logit_bias={100: 1.0}), "logit_bias"),
+    ([1], SamplingParams(max_tokens=1, stop_token_ids=(5, 120)), "stop_token_ids"),
+])
+def test_token_ids_must_be_rows_of_the_models_vocabulary(prompt: list[int], params: SamplingParams,
+                                                         param: str) -> None:
+    error = refusal(FCFS, prompt, params)
+    assert error.param == param and "outside the vocabulary [0, 100)" in str(error)
+
+
+def test_priority_needs_priority_scheduling() -> None:
+    assert refusal(FCFS, [1], priority=3).param == "priority"
+    FCFS.check([1], SamplingParams(max_tokens=1), priority=0)
+    AdmissionCheck(16, 100, SchedulingPolicy.PRIORITY).check([1], SamplingParams(max_tokens=1), priority=-5)
+
+
+def test_cache_salt_must_not_be_empty() -> None:
+    assert refusal(FCFS, [1], cache_salt="").param == "cache_salt"
+    FCFS.check([1], SamplingParams(max_tokens=1), cache_salt="tenant-a")
