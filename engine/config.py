@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
+from kvserve.scheduler import SchedulingPolicy
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/quantization)
@@ -31,6 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"  # fcfs: arrival order | priority: a request's priority, then arrival
+    long_prefill_token_threshold: int = 0  # most prompt tokens one request computes per step (0: no cap)
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     enable_prefix_caching: bool = True
@@ -57,6 +60,13 @@ class EngineConfig:
         for option, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens", self.max_num_batched_tokens)):
             if value < 1:
                 raise ConfigError(option, f"{option} must be at least 1, got {value}")
+        policies = tuple(policy.value for policy in SchedulingPolicy)
+        if self.scheduling_policy not in policies:
+            raise ConfigError("--scheduling-policy", f"scheduling policy must be one of {', '.join(policies)}, "
+                                                     f"got {self.scheduling_policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("--long-prefill-token-threshold",
+                              f"--long-prefill-token-threshold must be at least 0, got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len", f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -79,6 +79,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
+            policy=config.scheduling_policy,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         ),
         kv_manager,
     )

@@ -37,9 +37,9 @@ def chat_router(state: ServingState) -> APIRouter:
         prompt_text = _render(engine, body)
         token_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
         params = with_max_tokens(base, resolve_max_tokens(len(token_ids), requested, engine.max_model_len, limits))
-        admit(engine, token_ids, params, param)
+        admit(engine, token_ids, params, priority=body.priority, cache_salt=body.cache_salt, max_tokens_param=param)
         response_id = new_id("chatcmpl")
-        jobs = [GenerationJob(f"{response_id}-0", prompt_text, token_ids, params)]
+        jobs = [GenerationJob(f"{response_id}-0", prompt_text, token_ids, params, body.priority, body.cache_salt)]
         formatter = _ChatFormatter(body.n, top_logprobs, engine.tokenizer, response_id, now_s(),
                                    engine.config.model_name)
         return await respond(request, state, engine, jobs, body, formatter)

@@ -103,6 +103,13 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                            help="most requests running in one batch"),
         cache.add_argument("--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens,
                            help="token budget of one engine step (prefill chunks + decodes)"),
+        cache.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=defaults.scheduling_policy,
+                           help="order of admission: fcfs (arrival) or priority (the request's 'priority' field, "
+                                "lower first, then arrival; preemption takes the lowest priority first)"),
+        cache.add_argument("--long-prefill-token-threshold", type=_non_negative_int,
+                           default=defaults.long_prefill_token_threshold,
+                           help="most prompt tokens one request computes per step, so a long prompt does not take "
+                                "a whole step from the prompts behind it (0: no cap)"),
         cache.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                            help="KV-cache blocks to allocate (overrides --kv-cache-memory)"),
         cache.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="SIZE",
@@ -178,7 +185,8 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, device=args.device,
             attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
+            long_prefill_token_threshold=args.long_prefill_token_threshold, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads)
         limits = ServerLimits(

@@ -22,6 +22,8 @@ class GenerationJob:
     prompt_text: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ async def generate_all(engine: ServingEngine, jobs: Sequence[GenerationJob],
 
     async def pump(index: int, job: GenerationJob) -> None:
         try:
-            async for output in engine.generate(job.prompt_token_ids, job.params, job.request_id):
+            async for output in engine.generate(job.prompt_token_ids, job.params, job.request_id,
+                                                priority=job.priority, cache_salt=job.cache_salt):
                 queue.put_nowait(GenerationUpdate(index, output))
         except Exception as error:  # EngineDeadError and anything else: the consumer decides
             queue.put_nowait(_Failed(index, error))

@@ -57,12 +57,12 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
     return min(room, limits.max_tokens) if room > 0 else None
 
 
-def admit(engine: ServingEngine, token_ids: list[int], params: SamplingParams,
-          max_tokens_param: str = "max_tokens") -> None:
+def admit(engine: ServingEngine, token_ids: list[int], params: SamplingParams, *, priority: int,
+          cache_salt: str | None, max_tokens_param: str = "max_tokens") -> None:
     """The engine's admission check; a refusal becomes a 400 naming the parameter, spelled as
     this endpoint spells it (chat's budget may be max_completion_tokens)."""
     try:
-        engine.check_request(token_ids, params)
+        engine.check_request(token_ids, params, priority=priority, cache_salt=cache_salt)
     except PromptTooLongError as error:
         named = PromptTooLongError(error.num_prompt_tokens, error.max_tokens, error.max_model_len, max_tokens_param)
         raise bad_request(str(named), named.param, code=named.code) from None

@@ -64,6 +64,10 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's request extensions: the order under --scheduling-policy priority (lower runs first),
+    # and a salt that keeps this request's prefix-cache entries apart from other salts'.
+    priority: int = 0
+    cache_salt: str | None = None
 
     @property
     def include_usage(self) -> bool:

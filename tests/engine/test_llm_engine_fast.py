@@ -228,3 +228,25 @@ def test_add_request_runs_the_admission_check_and_keeps_nothing_it_refuses() -> 
     with pytest.raises(AdmissionError, match="maximum context length is 256"):
         engine.add_request("r", "x" * 250, SamplingParams(max_tokens=10))
     assert not engine.has_unfinished_requests() and engine.num_unfinished_requests == 0
+
+
+def test_cache_salt_keeps_prefix_cache_entries_apart() -> None:
+    engine = make_engine({"a": "x", "b": "x", "c": "x"})
+    prompt = "sixteen byte pre" + "fix"  # two full 8-token blocks and a partial one
+    finished = {}
+    for request_id, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+        finished.update({r: final(d) for r, d in run(engine).items()})
+    assert [finished[r].num_cached_tokens for r in "abc"] == [0, 0, 16]
+
+
+def test_priority_orders_admission_under_priority_scheduling() -> None:
+    model_config = make_engine({}).model_config
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256,
+                                          policy="priority"), KVCacheManager(64, BLOCK_SIZE))
+    engine = LLMEngine(EngineConfig(scheduling_policy="priority"), model_config, ByteTokenizer(), scheduler,
+                       ScriptedRunner({}))  # type: ignore[arg-type]
+    for request_id, priority in (("low", 5), ("high", -1), ("mid", 0)):
+        engine.add_request(request_id, "p", SamplingParams(max_tokens=1), priority=priority)
+    order = [output.request_id for _ in range(10) for output in engine.step() if output.finished]
+    assert order == ["high", "mid", "low"]

@@ -65,16 +65,17 @@ def _without_stop_prefix(text: str, stops: Sequence[str]) -> str:
 
 class FakeEngine:
     def __init__(self, *, max_model_len: int = 128, max_num_seqs: int = 4, step_delay: float = 0.0,
-                 model: str = MODEL) -> None:
-        self.config = EngineConfig(model=model, max_num_seqs=max_num_seqs)
+                 model: str = MODEL, scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS) -> None:
+        self.config = EngineConfig(model=model, max_num_seqs=max_num_seqs, scheduling_policy=scheduling_policy.value)
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         # The real engine's admission check, over the fake model's facts.
-        self.admission = AdmissionCheck(max_model_len, FakeTokenizer.vocab_size, SchedulingPolicy.FCFS)
+        self.admission = AdmissionCheck(max_model_len, FakeTokenizer.vocab_size, scheduling_policy)
         self.step_delay = step_delay
         self.gate: asyncio.Event | None = None  # when set to an unset Event, steps wait for it
         self.dead_error: BaseException | None = None
         self.started: list[str] = []
+        self.scheduling: dict[str, tuple[int, str | None]] = {}  # request id -> (priority, cache_salt)
         self.finished: list[str] = []
         self.aborted: list[str] = []
         self.active: set[str] = set()
@@ -114,17 +115,19 @@ class FakeEngine:
     def fail(self, error: BaseException) -> None:
         self.dead_error = error
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> None:
-        self.admission.check(prompt_token_ids, sampling_params)
+    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *, priority: int = 0,
+                      cache_salt: str | None = None) -> None:
+        self.admission.check(prompt_token_ids, sampling_params, priority=priority, cache_salt=cache_salt)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
-                       *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       *, priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = sampling_params
         assert params.max_tokens is not None and len(ids) + params.max_tokens <= self.max_model_len
         self.started.append(request_id)
+        self.scheduling[request_id] = (priority, cache_salt)
         self.active.add(request_id)
         tokens: list[list[int]] = [[] for _ in range(params.n)]
         texts = [""] * params.n

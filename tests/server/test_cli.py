@@ -53,6 +53,15 @@ def test_quantization_and_threads_from_flags_and_environment() -> None:
     assert (engine.quantization, engine.cpu_threads) == (None, None)
 
 
+def test_scheduling_flags_reach_the_engine_config() -> None:
+    engine, _ = configs(["--scheduling-policy", "priority", "--long-prefill-token-threshold", "256"])
+    assert (engine.scheduling_policy, engine.long_prefill_token_threshold) == ("priority", 256)
+    engine, _ = configs([], {"KVSERVE_SCHEDULING_POLICY": "priority"})
+    assert engine.scheduling_policy == "priority"
+    engine, _ = configs([])
+    assert (engine.scheduling_policy, engine.long_prefill_token_threshold) == ("fcfs", 0)
+
+
 def test_every_serve_option_has_an_environment_variable() -> None:
     from kvserve.server.cli import env_name
 
@@ -81,6 +90,8 @@ def test_every_serve_option_has_an_environment_variable() -> None:
     (["--cpu-threads", "0"], {}, "--cpu-threads"),
     (["--cpu-threads", "-2"], {}, "--cpu-threads"),
     ([], {"KVSERVE_CPU_THREADS": "0"}, "KVSERVE_CPU_THREADS"),
+    (["--scheduling-policy", "lifo"], {}, "--scheduling-policy"),
+    (["--long-prefill-token-threshold", "-1"], {}, "--long-prefill-token-threshold"),
 ])
 def test_bad_values_exit_2_with_a_message(argv, env, needle, capsys, monkeypatch) -> None:
     for name, value in env.items():
