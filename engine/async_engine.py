@@ -130,6 +130,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.engine.close()
 
     # ------------------------------------------------------------------ requests
 

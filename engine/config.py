@@ -40,6 +40,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # None (the model dtype) | int8 | int4: weight-only, applied after loading
     cpu_threads: int | None = None  # torch intra-op threads; None: OMP_NUM_THREADS or the CPUs this process may use
+    tensor_parallel_size: int = 1  # processes sharing each layer (engine/parallel); 1: no workers
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -57,7 +58,8 @@ class EngineConfig:
             raise ConfigError("--cpu-threads", f"--cpu-threads must be at least 1, got {self.cpu_threads}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("--device", f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for option, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+        for option, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                              ("--tensor-parallel-size", self.tensor_parallel_size)):
             if value < 1:
                 raise ConfigError(option, f"{option} must be at least 1, got {value}")
         policies = tuple(policy.value for policy in SchedulingPolicy)
@@ -67,6 +69,9 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("--long-prefill-token-threshold",
                               f"--long-prefill-token-threshold must be at least 0, got {self.long_prefill_token_threshold}")
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            raise ConfigError("--tensor-parallel-size", "--tensor-parallel-size > 1 cannot be combined with "
+                                                         "--quantization yet: the shards are cut from float weights")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len", f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.cpu_threads import apply_cpu_threads
 from kvserve.engine.device import resolve_device, resolve_dtype
@@ -20,7 +22,7 @@ from kvserve.engine.model.model_source import resolve_model
 from kvserve.engine.quantization import quantize_model
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.scaled_kv_backend import ScaledKVBackend
-from kvserve.kernels import FP8_KV_DTYPE, select_attention_backend
+from kvserve.kernels import FP8_KV_DTYPE, AttentionBackend, select_attention_backend
 from kvserve.paging import KVCacheManager
 from kvserve.paging.kv_sizing import plan_num_kv_blocks
 from kvserve.scheduler import Scheduler, SchedulerConfig
@@ -47,6 +49,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_config, model = load_model(source, dtype, device)
     if config.quantization is not None:  # before the runner (and any compilation) sees the model
         quantize_model(model, config.quantization)
+    if config.tensor_parallel_size > 1:
+        # Imported here: worker processes import this module, and only TP needs the parallel package.
+        from kvserve.engine.parallel import TensorParallelRunner, check_tensor_parallel
+
+        check_tensor_parallel(model_config, config.tensor_parallel_size)  # before sizing or spawning anything
     tokenizer = Tokenizer.from_gguf(source.path) if source.format == "gguf" else Tokenizer.from_hf_dir(source.path)
 
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -56,7 +63,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"--max-model-len {max_model_len} exceeds the model's context length "
             f"{model_config.max_position_embeddings}",
         )
-    kv_dtype = FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else dtype
+    kv_dtype = kv_cache_dtype(config, dtype)
     shape = model_config.kv_shape(config.model)
     block_bytes = shape.bytes_per_block(kv_dtype.itemsize, config.block_size)
     kv_cache_memory = config.kv_cache_memory
@@ -67,12 +74,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_blocks = plan_num_kv_blocks(shape, kv_dtype.itemsize, config.block_size, max_model_len,
                                     num_kv_blocks=config.num_kv_blocks, kv_cache_memory=kv_cache_memory)
 
-    attention = select_attention_backend(config.attention_backend, device)
-    if config.kv_cache_dtype == "fp8":
-        attention = ScaledKVBackend(attention)
+    attention = attention_backend(config, device)
     kv_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size, dtype=kv_dtype)
-    runner = ModelRunner(model, model_config, kv_spec, attention, device,
-                         end_of_generation_ids(model_config, tokenizer.eos_token_id))
+    eos_token_ids = end_of_generation_ids(model_config, tokenizer.eos_token_id)
+    if config.tensor_parallel_size > 1:
+        runner: ModelRunner = TensorParallelRunner.start(config, source, model, model_config, kv_spec, attention,
+                                                         device, dtype, eos_token_ids)
+    else:
+        runner = ModelRunner(model, model_config, kv_spec, attention, device, eos_token_ids)
     kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(
@@ -91,3 +100,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name, threads,
     )
     return EngineParts(model_config, tokenizer, scheduler, runner)
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    return FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else dtype
+
+
+def attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    attention = select_attention_backend(config.attention_backend, device)
+    return ScaledKVBackend(attention) if config.kv_cache_dtype == "fp8" else attention

@@ -39,6 +39,7 @@ class LLM:
         seed: int = 0,
         quantization: str | None = None,
         cpu_threads: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -46,9 +47,20 @@ class LLM:
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
             seed=seed, quantization=quantization, cpu_threads=cpu_threads,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine.from_config(config)
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stops tensor-parallel worker processes (`with LLM(...) as llm:` does it on exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -20,6 +20,7 @@ from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.parallel import TensorParallelRunner
 from kvserve.engine.stats import EngineLoad, StatsListener, StepStats
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler import Scheduler
@@ -144,6 +145,12 @@ class LLMEngine:
                 outputs.append(output)
             self.tracker.pop_if_finished(group)
         return outputs
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (daemon processes: they would also end with
+        this process). The engine cannot step afterwards."""
+        if isinstance(self.model_runner, TensorParallelRunner):
+            self.model_runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

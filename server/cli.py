@@ -93,6 +93,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         model.add_argument("--cpu-threads", type=_positive_int, default=None,
                            help="torch intra-op threads (default: $OMP_NUM_THREADS if set, else the CPUs this process "
                                 "may use: its affinity mask, capped by its cgroup CPU quota)"),
+        model.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=defaults.tensor_parallel_size,
+                           help="processes that split each layer (Megatron-style): heads and KV cache divided "
+                                "among them; must divide the model's attention and KV heads"),
         model.add_argument("--seed", type=_non_negative_int, default=defaults.seed,
                            help="seed for requests that do not give one"),
         cache.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=defaults.block_size,
@@ -188,7 +191,8 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
             long_prefill_token_threshold=args.long_prefill_token_threshold, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-            seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads)
+            seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads,
+            tensor_parallel_size=args.tensor_parallel_size)
         limits = ServerLimits(
             max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length, max_tokens=args.max_tokens_per_request,
@@ -204,7 +208,23 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             resolve_model(args.model)
         except ModelNotFoundError as error:
             parser.error(f"--model: {error}")
+    if engine_config.tensor_parallel_size > 1:
+        _check_tensor_parallel(parser, engine_config)
     return engine_config, settings
+
+
+def _check_tensor_parallel(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
+    """A size that does not divide the model's heads is a usage error (exit 2), found from the
+    model's metadata before any weight loads or worker starts. Imported here: it needs torch."""
+    from kvserve.engine.model.model_config import load_model_config
+    from kvserve.engine.parallel.sharding import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(load_model_config(resolve_model(config.model).path), config.tensor_parallel_size)
+    except ConfigError as error:
+        parser.error(f"{error.option}: {error}")
+    except ModelNotFoundError as error:
+        parser.error(f"--model: {error}")
 
 
 def _positive_int(text: str) -> int:

@@ -64,6 +64,7 @@ def worker_info_router(state: ServingState) -> APIRouter:
             "kv_cache_dtype": config.kv_cache_dtype,
             "device": str(engine.device),
             "dp_size": 1,
+            "tp_size": config.tensor_parallel_size,
         }
 
     @router.get("/model_info")
