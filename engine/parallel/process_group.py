@@ -8,6 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvserve.engine.config import ConfigError
+
 # A collective waits at most this long for its peers. Ranks run each step in lockstep, so a wait
 # this long means a peer is gone; it turns a would-be hang into an error.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -24,8 +26,18 @@ def backend_for(device: torch.device) -> str:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r computes on cuda:r (one GPU per rank); on CPU every rank uses the CPU."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """On CUDA rank r computes on the r-th GPU from rank 0's (cuda:1 with N=2: cuda:1 and cuda:2);
+    on CPU every rank uses the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def check_devices(device: torch.device, world_size: int) -> None:
+    if device.type == "cuda" and (device.index or 0) + world_size > torch.cuda.device_count():
+        raise ConfigError("--tensor-parallel-size",
+                          f"--tensor-parallel-size {world_size} needs one GPU per rank from {device}, "
+                          f"but {torch.cuda.device_count()} are visible")
 
 
 def join_group(device: torch.device, rank: int, world_size: int, port: int) -> dist.ProcessGroup:

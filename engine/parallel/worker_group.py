@@ -23,7 +23,9 @@ from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_source import ModelSource
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
 from kvserve.engine.parallel.layers import shard_model
-from kvserve.engine.parallel.process_group import free_loopback_port, join_group, leave_group, rank_device
+from kvserve.engine.parallel.process_group import (
+    check_devices, free_loopback_port, join_group, leave_group, rank_device,
+)
 from kvserve.engine.parallel.sharding import rank_model_config
 from kvserve.engine.parallel.worker import WorkerSpec, worker_main
 from kvserve.kernels import AttentionBackend
@@ -125,7 +127,8 @@ class TensorParallelRunner(ModelRunner):
               eos_token_ids: tuple[int, ...]) -> "TensorParallelRunner":
         """`model` is rank 0's fully loaded model; it is sharded in place."""
         world_size = config.tensor_parallel_size
-        rank_model_config(model_config, world_size)  # a clear error before any process starts
+        rank_model_config(model_config, world_size)  # clear errors before any process starts
+        check_devices(device, world_size)
         port = free_loopback_port()
         # On CPU the ranks share the cores the engine was given: each takes its share of threads.
         threads = max(1, torch.get_num_threads() // world_size) if device.type == "cpu" else torch.get_num_threads()
