@@ -45,6 +45,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def close(self) -> None:
+        """No worker processes to stop."""
+
     def load(self) -> EngineLoad:
         return EngineLoad(len(self.requests), 0, 8, len(self.requests), 0, 8 - len(self.requests))
 
