@@ -105,9 +105,18 @@ class KVCacheManager:
         end = num_computed_tokens + num_new_tokens
         num_blocks_needed = -(-end // self.block_size)
         num_held = len(table)
-        shared = self._shared_blocks(table, num_computed_tokens // self.block_size, min(num_held, num_blocks_needed))
+        # Copy-on-write: blocks this step writes into that another request also holds, or that
+        # the prefix cache holds (its tokens are promised to future hits). Normally that is the
+        # partial block a fork shares; a cached block is only written after a fork that ends
+        # mid-block, once its other holders are gone. Usually one block is written: a decode's.
+        allocator, cache = self._allocator, self._prefix_cache
+        shared = []
+        for index in range(num_computed_tokens // self.block_size, min(num_held, num_blocks_needed)):
+            block_id = table[index]
+            if allocator.refcount(block_id) > 1 or cache.is_cached(block_id):
+                shared.append(index)
         num_missing = num_blocks_needed - num_held
-        if (num_missing > 0 or shared) and max(0, num_missing) + len(shared) > self._allocator.num_available:
+        if (num_missing > 0 or shared) and max(0, num_missing) + len(shared) > allocator.num_available:
             return None
         self._grow(state, token_ids, num_computed_tokens, end, shared, num_missing)
         return table.block_ids
@@ -143,19 +152,6 @@ class KVCacheManager:
         state.table.append_tokens(len(new_computed_blocks) * size)
         self._grow(state, token_ids, num_computed_tokens, end, [], num_missing)
         return state.table.block_ids
-
-    def _shared_blocks(self, table: BlockTable, first: int, stop: int) -> list[int]:
-        """Copy-on-write: indices of blocks this step writes into that another request also holds,
-        or that the prefix cache holds (its tokens are promised to future hits). Normally that is
-        the partial block a fork shares; a cached block is only written after a fork that ends
-        mid-block, once its other holders are gone."""
-        allocator, cache = self._allocator, self._prefix_cache
-        shared = []
-        for index in range(first, stop):  # usually one block: the one a decode token goes into
-            block_id = table[index]
-            if allocator.refcount(block_id) > 1 or cache.is_cached(block_id):
-                shared.append(index)
-        return shared
 
     def _grow(self, state: _RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int, end: int,
               shared: list[int], num_missing: int) -> None:

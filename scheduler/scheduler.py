@@ -144,18 +144,19 @@ class Scheduler:
         # Oldest first. Victims come from the back, so a victim is never a request already
         # scheduled in this step, unless the request being served is itself the newest.
         running, allocate_slots = self._running, self.kv_cache_manager.allocate_slots
-        index = 0
-        while index < len(running) and plan.budget > 0:
-            request = running[index]
+        num_running = len(running)  # shrinks as victims leave from the back
+        for index, request in enumerate(list(running)):
+            if index >= num_running or plan.budget <= 0:
+                return
             num_new = self._chunk_size(request, request.num_computed_tokens, plan.budget)
             while (block_ids := allocate_slots(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                                num_new, cache_salt=request.cache_salt)) is None:
                 victim = running.pop_back()
+                num_running -= 1
                 self._preempt(victim, plan)
                 if victim is request:
                     return
             self._add_to_plan(plan, request, num_new, block_ids)
-            index += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
