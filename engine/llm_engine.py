@@ -139,7 +139,7 @@ class LLMEngine:
             children = self.tracker.child_ids(request_id)
             self.scheduler.finish_requests(children, FinishReason.ABORT)
             for child in children:
-                self._emit_finished(self.tracker.on_finished(child, FinishReason.ABORT.value, None, now))
+                self._emit_finished(self.tracker.on_finished(child, FinishReason.ABORT, None, now))
             output = group.take_output()
             if output is not None:
                 outputs.append(output)
@@ -191,10 +191,9 @@ class LLMEngine:
             if stop_string is not None and not update.finished:
                 self.scheduler.finish_requests([child_id], FinishReason.STOP, stop_string)
             if stop_string is not None:
-                self._emit_finished(self.tracker.on_finished(child_id, FinishReason.STOP.value, stop_string, now))
-            elif update.finished:
-                reason = request.finish_reason.value if request.finish_reason else FinishReason.STOP.value
-                self._emit_finished(self.tracker.on_finished(child_id, reason, request.stop_reason, now))
+                self._emit_finished(self.tracker.on_finished(child_id, FinishReason.STOP, stop_string, now))
+            elif update.finished and request.finish_reason is not None:  # the scheduler's stop check set it
+                self._emit_finished(self.tracker.on_finished(child_id, request.finish_reason, request.stop_reason, now))
 
         outputs = []
         for group in touched.values():

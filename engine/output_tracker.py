@@ -16,7 +16,7 @@ from kvserve.engine.stats import FinishedRequestStats
 from kvserve.engine.text.detokenizer import IncrementalDetokenizer
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler.output import PromptLogprobs, TokenLogprobs
-from kvserve.scheduler.request import Request
+from kvserve.scheduler.request import FinishReason, Request
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -30,7 +30,7 @@ class CompletionState:
     metrics: RequestMetrics
     wants_logprobs: bool
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     # Not yet reported: text pieces, token ids, logprobs, and whether the finish was reported.
     new_text: list[str] = field(default_factory=list)
@@ -57,10 +57,10 @@ class CompletionState:
         self.finish_reported = self.finish_reason is not None
         return delta
 
-    def finished_stats(self, now: float) -> FinishedRequestStats:
+    def finished_stats(self, reason: FinishReason, now: float) -> FinishedRequestStats:
         times = self.metrics.token_times
         return FinishedRequestStats(
-            finish_reason=self.finish_reason or "abort",
+            finish_reason=reason,
             arrival_time=self.metrics.arrival_time,
             first_scheduled_time=self.metrics.first_scheduled_time,
             first_token_time=self.metrics.first_token_time,
@@ -178,16 +178,19 @@ class OutputTracker:
             state.new_text.append(update.new_text)
         return update.stop_string
 
-    def on_finished(self, child_id: str, reason: str, stop_reason: int | str | None, now: float) -> FinishedRequestStats:
+    def on_finished(self, child_id: str, reason: FinishReason, stop_reason: int | str | None,
+                    now: float) -> FinishedRequestStats:
+        """Records the end of a completion; a second report (an abort racing a stop) keeps the first."""
         group, state = self.completions[child_id]
-        if state.finish_reason is None:
-            held_back = state.detokenizer.flush()  # empty after a stop string
-            if held_back:
-                state.new_text.append(held_back)
-            state.finish_reason = reason
-            state.stop_reason = stop_reason
-            state.metrics.finished_time = now
-        return state.finished_stats(now)
+        if state.finish_reason is not None:
+            return state.finished_stats(state.finish_reason, now)
+        held_back = state.detokenizer.flush()  # empty after a stop string
+        if held_back:
+            state.new_text.append(held_back)
+        state.finish_reason = reason
+        state.stop_reason = stop_reason
+        state.metrics.finished_time = now
+        return state.finished_stats(reason, now)
 
     def on_prompt_logprobs(self, child_id: str, piece: PromptLogprobs) -> None:
         entry = self.completions.get(child_id)

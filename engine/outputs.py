@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvserve.scheduler.output import TokenLogprobs
+from kvserve.scheduler.request import FinishReason
 
 
 @dataclass
@@ -34,7 +35,7 @@ class CompletionOutput:
     index: int
     text: str  # held-back text that might still become a stop string is not included yet
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None  # a str enum: == "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked for
     cumulative_logprob: float | None = None  # over every token so far, when logprobs were asked for
@@ -67,7 +68,7 @@ class _CompletionParts:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = None
         self.cumulative_logprob: float | None = None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 
     def add(self, delta: CompletionOutput) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.scheduler.request import FinishReason
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -56,7 +58,7 @@ class EngineLoad:
 class FinishedRequestStats:
     """One finished completion (each of n > 1 completions counts as one)."""
 
-    finish_reason: str  # stop | length | abort
+    finish_reason: FinishReason
     arrival_time: float
     first_scheduled_time: float | None  # None when aborted before it ran
     first_token_time: float | None

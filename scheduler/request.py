@@ -22,6 +22,11 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # the client went away, or the server aborted it
 
+    def __str__(self) -> str:
+        # The wire spelling wherever it is printed (f-strings, Prometheus labels), as StrEnum
+        # does from Python 3.11; JSON encoders already write the value (it is a str).
+        return self.value
+
 
 @dataclass(eq=False)
 class Request:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from kvserve.engine import FinishReason
 from kvserve.server.engine_protocol import ServingTokenizer
 from kvserve.server.errors import bad_request
 from kvserve.server.formatting import completion_logprobs
@@ -141,7 +142,7 @@ class _CompletionFormatter:
             rendered.append(CompletionChoice(
                 index=choice.index, text=echo + ("" if self.score_only else completion.text),
                 logprobs=self._logprobs(choice, generated, 0, first=True),
-                finish_reason="length" if self.score_only else completion.finish_reason,
+                finish_reason=FinishReason.LENGTH if self.score_only else completion.finish_reason,
                 stop_reason=None if self.score_only else completion.stop_reason,
                 prompt_logprobs=self._prompt_logprobs(choice, first=True)))
         if self.score_only:

@@ -96,7 +96,7 @@ async def generate_all(engine: ServingEngine, jobs: Sequence[GenerationJob],
 def aborted_output(job: GenerationJob, last: RequestOutput | None) -> RequestOutput:
     """The last delta of a request the server stopped: every completion marked "abort" (the
     caller's accumulator ignores the ones that had already finished)."""
-    completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason=FinishReason.ABORT.value)
+    completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason=FinishReason.ABORT)
                    for i in range(job.params.n)]
     if last is None:
         return RequestOutput(request_id=job.request_id, prompt=job.prompt_text,

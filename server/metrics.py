@@ -32,6 +32,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from kvserve.engine import FinishReason
 from kvserve.engine.stats import EngineLoad, FinishedRequestStats, StepStats
 
 # Buckets span a slow CPU deployment (a 135M model decodes at ~30 ms/token and a long prompt can
@@ -61,7 +62,6 @@ TOKEN_COUNT_BUCKETS = (
     1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000,
 )  # fmt: skip
 
-FINISH_REASONS = ("stop", "length", "abort")
 KV_BLOCK_STATES = ("free", "used", "cached")
 
 
@@ -117,8 +117,7 @@ class ServerMetrics:
         name = self.model_name
         success = Counter("kvserve_request_success", "Finished requests by finish reason (stop, length, abort).", [*labels, "finished_reason"], registry=registry)
         # Pre-created so each reason is a zero series from the start: rate() then works at once.
-        self._success = {reason: success.labels(name, reason) for reason in FINISH_REASONS}
-        self._success_family = success
+        self._success = {reason: success.labels(name, reason.value) for reason in FinishReason}
 
         def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(metric, doc, labels, registry=registry, buckets=buckets).labels(name)
@@ -152,10 +151,7 @@ class ServerMetrics:
         self._step_duration.observe(stats.duration_s)
 
     def on_request_finished(self, stats: FinishedRequestStats) -> None:
-        success = self._success.get(stats.finish_reason)
-        if success is None:  # a reason added to the engine later still gets counted
-            success = self._success_family.labels(self.model_name, stats.finish_reason)
-        success.inc()
+        self._success[stats.finish_reason].inc()
         self._request_prompt_tokens.observe(stats.num_prompt_tokens)
         self._request_generation_tokens.observe(stats.num_generation_tokens)
         end = stats.last_token_time if stats.last_token_time is not None else stats.finished_time

@@ -15,7 +15,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.outputs import OutputAccumulator, RequestOutput
 from kvserve.paging import KVCacheManager
-from kvserve.scheduler import ModelRunnerOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.scheduler import FinishReason, ModelRunnerOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.scheduler.output import TokenLogprobs
 
 EOS = 0
@@ -250,3 +250,19 @@ def test_priority_orders_admission_under_priority_scheduling() -> None:
         engine.add_request(request_id, "p", SamplingParams(max_tokens=1), priority=priority)
     order = [output.request_id for _ in range(10) for output in engine.step() if output.finished]
     assert order == ["high", "mid", "low"]
+
+
+def test_finish_reasons_are_the_schedulers_enum_end_to_end() -> None:
+    engine = make_engine({"len": "abcdef", "eos": "a", "str": "say two", "gone": "zzzz"})
+    engine.add_request("len", "p", SamplingParams(max_tokens=2))
+    engine.add_request("eos", "p", SamplingParams(max_tokens=5))
+    engine.add_request("str", "p", SamplingParams(max_tokens=20, stop=("two",)))
+    engine.add_request("gone", "p", SamplingParams(max_tokens=20))
+    engine.step()
+    [aborted] = engine.abort_request("gone")
+    reasons = {r: final(d).outputs[0].finish_reason for r, d in run(engine).items()}
+    reasons["gone"] = aborted.outputs[0].finish_reason
+    assert reasons == {"len": FinishReason.LENGTH, "eos": FinishReason.STOP, "str": FinishReason.STOP,
+                       "gone": FinishReason.ABORT}
+    assert all(type(reason) is FinishReason for reason in reasons.values())
+    assert f"{FinishReason.LENGTH}" == str(FinishReason.LENGTH) == "length"

@@ -9,6 +9,7 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.engine import FinishReason
 from kvserve.engine.stats import FinishedRequestStats
 from kvserve.server.metrics import ServerMetrics
 from tests.server.metrics_workload import STEP_S, build_known_workload, feed
@@ -194,9 +195,10 @@ def test_concurrent_feeders_lose_no_increment(metrics: ServerMetrics) -> None:
     assert value(metrics, "kvserve_step_duration_seconds_count") == 2000
 
 
-def test_unknown_finish_reason_is_still_counted(metrics: ServerMetrics) -> None:
-    metrics.on_request_finished(FinishedRequestStats("timeout", 0.0, None, None, None, 1.0, 1, 0, 0, ()))
-    assert value(metrics, "kvserve_request_success_total", finished_reason="timeout") == 1
+def test_every_finish_reason_is_a_series_from_the_start_labelled_as_the_api_spells_it(metrics: ServerMetrics) -> None:
+    assert all(value(metrics, "kvserve_request_success_total", finished_reason=r.value) == 0 for r in FinishReason)
+    metrics.on_request_finished(FinishedRequestStats(FinishReason.LENGTH, 0.0, None, None, None, 1.0, 1, 0, 0, ()))
+    assert value(metrics, "kvserve_request_success_total", finished_reason="length") == 1
 
 
 def test_empty_model_name_is_rejected() -> None:
