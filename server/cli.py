@@ -138,7 +138,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         caps.add_argument("--max-stop-string-length", type=_positive_int, default=limits.max_stop_string_length,
                           help="longest stop string, in characters"),
         caps.add_argument("--max-tokens-per-request", type=_positive_int, default=limits.max_tokens,
-                          help="largest max_tokens a request may ask for"),
+                          help="most tokens one completion may have: a larger max_tokens is refused, an omitted "
+                               "one capped here"),
         caps.add_argument("--max-prompts-per-request", type=_positive_int, default=limits.max_prompts_per_request,
                           help="most prompts in one /v1/completions request"),
         caps.add_argument("--max-logit-bias", type=_positive_int, default=limits.max_logit_bias,
