@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvserve.scheduler.config import SchedulingPolicy
+from kvserve.scheduler.config import SchedulerConfig, SchedulingPolicy
 from kvserve.scheduler.sampling_params import SamplingParams
 
 
@@ -58,11 +58,15 @@ class PromptTooLongError(AdmissionError):
 
 @dataclass(frozen=True)
 class AdmissionCheck:
-    """The engine's facts a request is checked against. Immutable, so any thread may call it."""
+    """The engine's facts a request is checked against: its scheduler's settings (max_model_len,
+    the policy) and the model's vocabulary. Immutable, so any thread may call it."""
 
-    max_model_len: int
+    scheduler_config: SchedulerConfig
     vocab_size: int  # the model's: the rows of its embedding and logits
-    policy: SchedulingPolicy
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
               cache_salt: str | None = None) -> None:
@@ -76,10 +80,11 @@ class AdmissionCheck:
         self._check_in_vocab(prompt_token_ids, "prompt", "Token id {} in the prompt")
         self._check_in_vocab(params.logit_bias, "logit_bias", "logit_bias token id {}")
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids", "stop token id {}")
-        if priority != 0 and self.policy is not SchedulingPolicy.PRIORITY:
+        policy = self.scheduler_config.policy
+        if priority != 0 and policy is not SchedulingPolicy.PRIORITY:
             # As vLLM: a priority that would be silently ignored is an error.
             raise AdmissionError(f"priority {priority} needs priority scheduling; this engine schedules "
-                                 f"{self.policy.value} (start it with --scheduling-policy priority).", "priority")
+                                 f"{policy.value} (start it with --scheduling-policy priority).", "priority")
         if cache_salt is not None and not cache_salt:
             raise AdmissionError("cache_salt must be a non-empty string when given.", "cache_salt")
 

@@ -49,7 +49,7 @@ class LLMEngine:
         self.eos_token_ids = end_of_generation_ids(model_config, tokenizer.eos_token_id)
         self.scheduler = scheduler
         self.model_runner = model_runner
-        self.admission = AdmissionCheck(scheduler.config.max_model_len, model_config.vocab_size, scheduler.config.policy)
+        self.admission = AdmissionCheck(scheduler.config, model_config.vocab_size)
         self.stats_listeners = list(stats_listeners)
         self.tracker = OutputTracker(tokenizer)
         self._seed_rng = random.Random(config.seed)

@@ -110,10 +110,6 @@ class OutputAccumulator:
             news.append(completion)
         return news
 
-    def is_finished(self, index: int) -> bool:
-        parts = self._completions.get(index)
-        return parts is not None and parts.finish_reason is not None
-
     def result(self) -> RequestOutput:
         """Everything so far: whole texts, token ids and logprobs, completions in index order."""
         if self._latest is None:

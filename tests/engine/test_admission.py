@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvserve.engine.admission import AdmissionCheck, AdmissionError, PromptTooLongError
-from kvserve.scheduler import SamplingParams, SchedulingPolicy
+from kvserve.scheduler import SamplingParams, SchedulerConfig
 
-FCFS = AdmissionCheck(max_model_len=16, vocab_size=100, policy=SchedulingPolicy.FCFS)
+FCFS = AdmissionCheck(SchedulerConfig(max_model_len=16), vocab_size=100)
 
 
 def refusal(check: AdmissionCheck, prompt: list[int], params: SamplingParams = SamplingParams(max_tokens=4),
@@ -50,7 +50,7 @@ def test_token_ids_must_be_rows_of_the_models_vocabulary(prompt: list[int], para
 def test_priority_needs_priority_scheduling() -> None:
     assert refusal(FCFS, [1], priority=3).param == "priority"
     FCFS.check([1], SamplingParams(max_tokens=1), priority=0)
-    AdmissionCheck(16, 100, SchedulingPolicy.PRIORITY).check([1], SamplingParams(max_tokens=1), priority=-5)
+    AdmissionCheck(SchedulerConfig(max_model_len=16, policy="priority"), 100).check([1], SamplingParams(max_tokens=1), priority=-5)
 
 
 def test_cache_salt_must_not_be_empty() -> None:

@@ -16,7 +16,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.stats import EngineLoad
-from kvserve.scheduler import SchedulingPolicy
+from kvserve.scheduler import SchedulerConfig, SchedulingPolicy
 from kvserve.scheduler.output import TokenLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -70,7 +70,8 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         # The real engine's admission check, over the fake model's facts.
-        self.admission = AdmissionCheck(max_model_len, FakeTokenizer.vocab_size, scheduling_policy)
+        self.admission = AdmissionCheck(SchedulerConfig(max_model_len=max_model_len, policy=scheduling_policy),
+                                        FakeTokenizer.vocab_size)
         self.step_delay = step_delay
         self.gate: asyncio.Event | None = None  # when set to an unset Event, steps wait for it
         self.dead_error: BaseException | None = None

@@ -123,7 +123,7 @@ async def test_the_models_vocabulary_decides_not_the_tokenizers(engine) -> None:
     has but the model lacks is refused (the fake tokenizer knows 300 ids; this model 200)."""
     from kvserve.engine.admission import AdmissionCheck
 
-    engine.admission = AdmissionCheck(engine.max_model_len, 200, engine.admission.policy)
+    engine.admission = AdmissionCheck(engine.admission.scheduler_config, 200)
     app = build_app(engine, ServerSettings())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as http:
         error = (await http.post(C, json={"prompt": [5, 250], "max_tokens": 1})).json()["error"]
