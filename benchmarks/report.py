@@ -176,6 +176,29 @@ def step_profile_section(summary: Summary) -> list[str]:
     return lines + (["", "Not measured:", *missing] if missing else [])
 
 
+def quantization_section(summary: Summary) -> list[str]:
+    q = summary.get("quantization") or {}
+    lines = ["## 6. Weight-only quantization (benchmarks/quant_accuracy.py)", ""]
+    if q:
+        lines.append(f"Greedy continuations of {q['prompts']} prompts x {q['max_tokens']} tokens against bf16 weights, "
+                     "and the mean NLL of a fixed passage:")
+        lines.append("")
+        lines += _table(["weights", "identical continuations", "tokens before first divergence", "passage NLL"],
+                        [[a["weights"], f"{a['identical']}/{q['prompts']}",
+                          f"{100 * a['agreeing_tokens'] / a['total_tokens']:.1f}%", _num(a["passage_nll"], 4)]
+                         for a in q["accuracy"]])
+        floor = q["bf16_floor_ms"]
+        lines += ["", f"Single stream, against the bf16 weight pass (torch's floor, {_num(floor)} ms; targets: "
+                  "int4 <= 0.5x, int8 <= 0.8x):", ""]
+        lines += _table(["weights", "weight pass, 1 row (ms)", "decode ms per output token (engine)"],
+                        [[mode, f"{_num(v['weight_pass_ms'])} ({v['weight_pass_ms'] / floor:.2f}x)",
+                          f"{_num(v['tpot_ms'])} ({v['tpot_ms'] / floor:.2f}x)"] for mode, v in q["speed"].items()])
+    else:
+        lines.append("Not measured.")
+    missing = _missing(summary, ("quantization: accuracy and single-stream speed",))
+    return lines + (["", "Not measured:", *missing] if missing else [])
+
+
 def stages_section(summary: Summary) -> list[str]:
     rows = [[s["name"], s["status"], _num(s["seconds"], 0), f"`{s['command']}`" if s["command"] else ""]
             for s in summary.get("stages", [])]
@@ -195,7 +218,7 @@ def render_report(summary: Summary, has_comparison_png: bool = False) -> str:
                   "other work shared the CPU, so absolute numbers are pessimistic and ratios noisy.**"]
     sections = [machine_section(summary), workload_section(summary), offline_section(summary),
                 online_section(summary), sweep_section(summary), ceiling_section(summary),
-                step_profile_section(summary)]
+                step_profile_section(summary), quantization_section(summary)]
     if has_comparison_png:
         sections.append(["## At a glance", "", f"![offline and online throughput]({COMPARISON_PNG})"])
     sections.append(stages_section(summary))

