@@ -16,6 +16,7 @@ from kvserve.engine.outputs import CompletionOutput, OutputAccumulator, RequestO
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
 from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size
 from kvserve.scheduler import FinishReason, SamplingParams, SamplingParamsError, TokenLogprobs
+from kvserve.scheduler.structured_output_params import GrammarKind, StructuredOutputParams
 
 __all__ = [
     "LLM",
@@ -33,6 +34,8 @@ __all__ = [
     "TokenLogprobs",
     "SamplingParams",
     "SamplingParamsError",
+    "GrammarKind",
+    "StructuredOutputParams",
     # KV-cache sizing (`kvserve kv-size`, --kv-cache-memory)
     "SUPPORTED_BLOCK_SIZES",
     "ModelShape",

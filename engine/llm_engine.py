@@ -21,6 +21,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.parallel import TensorParallelRunner
+from kvserve.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from kvserve.engine.stats import EngineLoad, StatsListener, StepStats
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler import Scheduler
@@ -52,6 +53,8 @@ class LLMEngine:
         self.admission = AdmissionCheck(scheduler.config, model_config.vocab_size)
         self.stats_listeners = list(stats_listeners)
         self.tracker = OutputTracker(tokenizer)
+        self.structured_output = StructuredOutputManager(
+            GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids))
         self._seed_rng = random.Random(config.seed)
         self._last_prefix_stats = (0, 0)
 
@@ -75,6 +78,8 @@ class LLMEngine:
         """Raises AdmissionError (naming the parameter) for a request the engine would not take;
         add_request runs it for every request, and callers may run it earlier."""
         self.admission.check(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        if params.structured_output is not None:
+            self.structured_output.check(params.structured_output)  # StructuredOutputError names the field
 
     def add_request(
         self,
@@ -119,6 +124,8 @@ class LLMEngine:
         ]
         self.tracker.add(request_id, text, requests)
         for request in requests:
+            if params.structured_output is not None:
+                self.structured_output.add(request.request_id, params.structured_output)
             self.scheduler.add_request(request)
 
     def _seed_for(self, params: SamplingParams, index: int) -> int:
@@ -140,6 +147,7 @@ class LLMEngine:
             self.scheduler.finish_requests(children, FinishReason.ABORT)
             for child in children:
                 self._emit_finished(self.tracker.on_finished(child, FinishReason.ABORT, None, now))
+                self.structured_output.remove(child)
             output = group.take_output()
             if output is not None:
                 outputs.append(output)
@@ -175,7 +183,10 @@ class LLMEngine:
             return []
         for scheduled in scheduler_output.scheduled:
             self.tracker.mark_scheduled(scheduled.request_id, start)
-        runner_output = self.model_runner.execute(scheduler_output)
+        token_mask = self.structured_output.token_mask(scheduler_output)
+        # Unconstrained steps (nearly all) call the runner exactly as before.
+        runner_output = (self.model_runner.execute(scheduler_output) if token_mask is None
+                         else self.model_runner.execute(scheduler_output, token_mask))
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         for child_id, piece in runner_output.prompt_logprobs.items():
@@ -188,6 +199,10 @@ class LLMEngine:
             touched[group.request_id] = group
             stop_string = self.tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now)
             request = update.request
+            if child_id in self.structured_output:
+                self.structured_output.accept(child_id, update.new_token_ids)
+                if update.finished or stop_string is not None:
+                    self.structured_output.remove(child_id)
             if stop_string is not None and not update.finished:
                 self.scheduler.finish_requests([child_id], FinishReason.STOP, stop_string)
             if stop_string is not None:

@@ -18,6 +18,7 @@ from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
+from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
 from kvserve.kernels import AttentionBackend
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -65,7 +66,8 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, token_mask: TokenMask | None = None) -> ModelRunnerOutput:
+        """`token_mask` restricts the constrained rows' next token to their grammars."""
         if output.blocks_to_copy:
             self._copy_blocks(output.blocks_to_copy)
         inputs = self.prepare_inputs(output)
@@ -76,6 +78,8 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if token_mask is not None:
+            logits = apply_token_mask(logits, token_mask)
         batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_ids,
                                              self.device)
         sampled = self.sampler(logits, batch)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from kvserve.scheduler.structured_output_params import StructuredOutputParams
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; `param` names it (as the OpenAI API spells it)."""
@@ -38,6 +40,8 @@ class SamplingParams:
     # Same for each prompt token after the first (vLLM's name). Such a request skips the prefix
     # cache: a cached block's positions would never pass through the model to be scored.
     prompt_logprobs: int | None = None
+    # The output must match this grammar; the engine masks the logits of every step to it.
+    structured_output: StructuredOutputParams | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

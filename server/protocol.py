@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvserve.server.structured_outputs import StructuredOutputFields
+
 # Fields OpenAI defines that we do not implement, with the values that mean "not used" (clients
 # and load testers often send those explicitly); any other value gets a 400 that says so. Fields
 # nobody defines are ignored (server/ignored_fields.py).
@@ -22,7 +24,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -39,7 +40,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk, not only the last one
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredOutputFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="allow", strict=True)

@@ -13,6 +13,7 @@ from kvserve.engine import SamplingParams, SamplingParamsError
 from kvserve.server.errors import bad_request
 from kvserve.server.limits import ServerLimits
 from kvserve.server.protocol import UNSUPPORTED_FIELDS, SamplingFields
+from kvserve.server.structured_outputs import structured_output_params
 
 
 def reject_unsupported_fields(request: SamplingFields) -> None:
@@ -53,6 +54,7 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             logit_bias=_logit_bias(request.logit_bias, limits),
             skip_special_tokens=request.skip_special_tokens,
+            structured_output=structured_output_params(request),
         )
     except SamplingParamsError as error:
         param = logprobs_param if error.param == "logprobs" else error.param

@@ -28,6 +28,7 @@ from kvserve.engine.parallel.process_group import (
 )
 from kvserve.engine.parallel.sharding import rank_model_config
 from kvserve.engine.parallel.worker import WorkerSpec, worker_main
+from kvserve.engine.structured_output import TokenMask
 from kvserve.kernels import AttentionBackend
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -155,9 +156,10 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, model_config, kv_spec, attention, device, eos_token_ids)
         self.workers = workers
 
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, token_mask: TokenMask | None = None) -> ModelRunnerOutput:
+        """Only rank 0 samples, so only it needs the structured-output mask."""
         self.workers.send(output)
-        return super().execute(output)
+        return super().execute(output, token_mask)
 
     def close(self) -> None:
         self.workers.stop()
