@@ -1,4 +1,8 @@
-"""Paged attention in plain torch: the CPU serving path and the oracle for the Triton kernels.
+"""Paged attention on the CPU: the serving entry point, and the plain-torch oracle.
+
+`paged_attention` runs the C++ kernel of cpu_attention.py (reads K/V in place through the block
+tables) where it can be built, else `torch_paged_attention`, the plain-torch implementation that
+is also the oracle for the Triton and C++ kernels.
 
 Cache layout (shared by every implementation):
     key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -8,7 +12,7 @@ KV head the block_size x head_dim tile is contiguous, so a GPU program that owns
 each block as one coalesced run of block_size * head_dim elements, and GQA heads sharing that KV
 head reuse it from registers/shared memory.
 
-How the mixed batch is computed here:
+How the mixed batch is computed by the torch implementation:
 - decode rows (q_len == 1) go through one batched SDPA call: their block tables are gathered
   once, padded to the longest context and masked. On 2 CPU threads this beats a per-request loop
   from a handful of requests on (see benchmarks/kernels.py).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu_attention import cpu_kernel_available, cpu_kernel_supports, cpu_paged_attention
 from kvserve.kernels.kv_quant import check_scale, quantize_for_cache
 from kvserve.kernels.validation import (
     check_attention_shapes,
@@ -42,10 +47,13 @@ def write_kv_cache(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    validate: bool = True,
 ) -> None:
-    """Scatter this step's K/V rows into their slots, quantising for an fp8 cache."""
+    """Scatter this step's K/V rows into their slots, quantising for an fp8 cache. `validate=False`
+    skips the slot range check (two host reads); an out-of-range slot still raises in the indexing."""
     check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
-    check_write_values(slot_mapping, key_cache)
+    if validate:
+        check_write_values(slot_mapping, key_cache)
     block_size = key_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
@@ -67,37 +75,93 @@ def paged_attention(
     max_seq_len: int | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    num_decodes: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Each request's queries are the last q_len positions of its seq_len-token context and
-    attend causally to it (prefix hits and earlier chunks included). Returns [num_tokens, num_heads, head_dim]."""
-    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc)
+    attend causally to it (prefix hits and earlier chunks included). Returns [num_tokens, num_heads, head_dim].
+
+    `num_decodes`: requests [0, num_decodes) are single-query decodes in query rows
+    [0, num_decodes), the rest prompt chunks. `validate=False` skips the metadata *value* checks
+    (host reads of the index tensors; shapes are always checked): the C++ kernel bounds-checks
+    what it reads anyway, and the torch path's indexing raises on a bad block id."""
+    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+    if validate:
+        check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     # k_scale multiplies every score, v_scale every output row: fold them in, never touch the cache.
     score_scale = scale * check_scale("k_scale", k_scale)
     out_scale = check_scale("v_scale", v_scale)
+    if query.device.type == "cpu" and cpu_kernel_supports(query.shape[2]) and cpu_kernel_available():
+        return cpu_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale)
+    return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale,
+                            max_query_len, max_seq_len, num_decodes)
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_decodes: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` in plain torch on any device, always validated: the oracle."""
+    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+    check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+    return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                            scale * check_scale("k_scale", k_scale), check_scale("v_scale", v_scale),
+                            max_query_len, max_seq_len, num_decodes)
+
+
+def _torch_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    score_scale: float,
+    out_scale: float,
+    max_query_len: int | None,
+    max_seq_len: int | None,
+    num_decodes: int | None,
+) -> torch.Tensor:
     out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
     if query.shape[0] == 0:
         return out
-
-    if max_query_len == 1:  # the caller promises a pure decode step: no need to read the offsets
-        decode_seqs = torch.arange(seq_lens.shape[0], device=query.device)
+    if max_query_len == 1 or num_decodes == num_seqs:  # a pure decode step: no need to read the offsets
+        decode_seqs = torch.arange(num_seqs, device=query.device)
         _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len)
         return out
 
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
-    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
-    if decodes:
-        decode_seqs = torch.tensor(decodes, device=query.device)
-        rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-        longest = max(lens[i] for i in decodes)
-        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, rows, score_scale, out_scale, longest)
-    for i, q_len in enumerate(q_lens):
-        if q_len > 1:
-            out[starts[i] : starts[i + 1]] = _chunk_attention(
-                query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale
-            )
+    if num_decodes is None:  # find the decodes among the requests
+        starts = query_start_loc.tolist()
+        q_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
+        decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+        chunks = [i for i, q_len in enumerate(q_lens) if q_len > 1]
+        decode_seqs = torch.tensor(decodes, dtype=torch.long, device=query.device)
+        decode_rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=query.device)
+    else:  # the caller says: decodes first, in rows [0, num_decodes)
+        starts = [*range(num_decodes), *query_start_loc[num_decodes:].tolist()]
+        chunks = list(range(num_decodes, num_seqs))
+        decode_seqs = decode_rows = torch.arange(num_decodes, device=query.device)
+    if decode_seqs.numel():
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, decode_rows, score_scale, out_scale, None)
+    lens = seq_lens.tolist() if chunks else []
+    for i in chunks:
+        if starts[i + 1] == starts[i]:
+            continue  # a request with no tokens this step
+        out[starts[i] : starts[i + 1]] = _chunk_attention(
+            query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale
+        )
     return out
 
 

@@ -77,13 +77,15 @@ def triton_paged_attention(
     max_seq_len: int | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    num_decodes: int | None = None,
     num_kv_splits: int | None = None,
     check_block_tables: bool = False,
 ) -> torch.Tensor:
     """Same contract as `torch_attention.paged_attention`. `check_block_tables` validates the
     metadata's contents (a host sync: for debugging, not serving); `num_kv_splits` forces the
-    flash-decoding split count (tests use it to exercise the merge on tiny shapes)."""
-    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    flash-decoding split count (tests use it to exercise the merge on tiny shapes). One launch
+    covers decodes and chunks alike, so `num_decodes` only tells the planner when all are decodes."""
+    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     if query.stride(-1) != 1:
         raise KernelInputError("query must be contiguous in head_dim (the last dimension); call .contiguous() first")
     if key_cache.stride() != value_cache.stride():
@@ -91,7 +93,7 @@ def triton_paged_attention(
     if query.shape[2] < MIN_DOT_SIZE:
         raise KernelInputError(f"the Triton kernel needs head_dim >= {MIN_DOT_SIZE}, got {query.shape[2]}; use the torch backend")
     if check_block_tables:
-        check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc)
+        check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     score_scale_log2 = scale * check_scale("k_scale", k_scale) * LOG2_E
     out_scale = check_scale("v_scale", v_scale)
 
@@ -105,6 +107,8 @@ def triton_paged_attention(
     on_gpu = query.device.type == "cuda"
     num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if on_gpu else 1
     max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    if num_decodes == num_seqs:
+        max_query_len = 1
     plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, max_context, num_sms, num_kv_splits, max_query_len)
     # The interpreter multiplies bf16 bits wrongly in tl.dot, so off-GPU everything is fp32; on a
     # GPU fp32 inputs ask for IEEE products (TF32 would cost ~3 decimal digits).

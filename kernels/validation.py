@@ -1,10 +1,12 @@
 """Input checks shared by every attention implementation.
 
-Two tiers, because they cost differently on a GPU:
+Two tiers, because they cost differently:
 - `check_*_shapes`: shapes, dtypes and devices only. They read tensor metadata on the host, never
-  the data, so the Triton path runs them before every launch without a device sync.
-- `check_*_values`: block ids, slots and lengths. They read the tensors, which on CUDA is a host
-  sync; the torch path always runs them (on CPU they are cheap), the Triton path only on request.
+  the data, so every path runs them before every call (no device sync, a few microseconds).
+- `check_*_values`: block ids, slots and lengths. They read the tensors: a host sync on CUDA and
+  several small ops per layer on the CPU. Entry points run them unless told `validate=False`
+  (the serving backends, whose metadata the engine builds): the C++ kernel checks every block id
+  and length as it reads it anyway, and torch's indexing raises on an out-of-range id.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def check_attention_shapes(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    num_decodes: int | None = None,
 ) -> None:
     check_cache_pair(key_cache, value_cache)
     _, num_kv_heads, _, head_dim = key_cache.shape
@@ -86,13 +89,21 @@ def check_attention_shapes(
     num_seqs = seq_lens.shape[0]
     _require(block_tables.shape[0] == num_seqs, f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
     _require(query_start_loc.shape[0] == num_seqs + 1, f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
+    if num_decodes is not None:
+        _require(0 <= num_decodes <= min(num_seqs, query.shape[0]), f"num_decodes must be in [0, {min(num_seqs, query.shape[0])}] (sequences with a query row each), got {num_decodes}")
 
 
 def check_attention_values(
-    query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_decodes: int | None = None,
 ) -> None:
     """Reads the metadata: lengths must be consistent and every block a sequence uses must exist.
-    Entries past a sequence's last block are padding and may hold anything."""
+    Entries past a sequence's last block are padding and may hold anything. With `num_decodes`,
+    the first num_decodes requests must have one query row each."""
     num_blocks, _, block_size, _ = key_cache.shape
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
@@ -101,6 +112,8 @@ def check_attention_values(
     if seq_lens.numel() == 0:
         return
     _require(bool((q_lens >= 0).all()), "query_start_loc must be non-decreasing")
+    if num_decodes:
+        _require(bool((q_lens[:num_decodes] == 1).all()), f"num_decodes = {num_decodes} but not all of the first {num_decodes} requests have exactly one query row")
     seq_lens_long = seq_lens.long()
     bad = torch.nonzero(q_lens > seq_lens_long).flatten()
     _require(bad.numel() == 0, f"sequence {int(bad[0]) if bad.numel() else -1} has more query tokens than context (seq_lens counts this step's tokens too)")

@@ -114,4 +114,10 @@ TOLERANCES = {
 MIXED_SEQ_LENS = [1, 15, 16, 17, 33, 200, 200]
 MIXED_QUERY_LENS = [1, 5, 16, 1, 5, 1, 16]
 
+# The same requests ordered as the engine orders a step when it passes `num_decodes`: the
+# single-query decodes first (query rows [0, 3)), then the prompt chunks.
+DECODES_FIRST_SEQ_LENS = [1, 17, 200, 15, 16, 33, 200]
+DECODES_FIRST_QUERY_LENS = [1, 1, 1, 5, 16, 5, 16]
+NUM_DECODES = 3
+
 FP8 = FP8_KV_DTYPE

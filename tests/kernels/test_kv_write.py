@@ -64,6 +64,9 @@ def test_write_rejects_slots_past_the_cache() -> None:
         write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, 48]))
     with pytest.raises(ValueError, match="-1 for padding"):
         write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, -2]))
+    # Unvalidated (the serving backends), a slot past the cache still fails in the indexing.
+    with pytest.raises(IndexError):
+        write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, 48]), validate=False)
 
 
 def test_write_rejects_rows_that_do_not_fit_the_cache() -> None:

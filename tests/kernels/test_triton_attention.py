@@ -6,9 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kernels import paged_attention
+from kvserve.kernels.torch_attention import torch_paged_attention
 from kvserve.kernels.triton_attention import plan_launch, triton_paged_attention
-from tests.kernels.paged_batch import FP8, MIXED_QUERY_LENS, MIXED_SEQ_LENS, TOLERANCES, dense_attention, make_batch
+from tests.kernels.paged_batch import (
+    DECODES_FIRST_QUERY_LENS,
+    DECODES_FIRST_SEQ_LENS,
+    FP8,
+    MIXED_QUERY_LENS,
+    MIXED_SEQ_LENS,
+    NUM_DECODES,
+    TOLERANCES,
+    dense_attention,
+    make_batch,
+)
 
 # The interpreter runs CPU tensors only where CUDA is absent (conftest sets TRITON_INTERPRET=1).
 DEVICES = [
@@ -40,7 +50,7 @@ def test_mixed_batch_matches_dense_and_torch(device: str, case: str) -> None:
     out = triton_paged_attention(*batch.attention_args(), check_block_tables=True)
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     torch.testing.assert_close(out.float().cpu(), dense_attention(batch), **TOLERANCES[dtype])
-    oracle = paged_attention(*batch.attention_args())
+    oracle = torch_paged_attention(*batch.attention_args())
     torch.testing.assert_close(out.float().cpu(), oracle.float().cpu(), **TOLERANCES[dtype])
 
 
@@ -59,6 +69,16 @@ def test_pure_decode_with_hints(device: str) -> None:
     batch = make_batch(seq_lens, [1] * len(seq_lens), group=3, device=device)
     out = triton_paged_attention(*batch.attention_args(), max_query_len=1, max_seq_len=200)
     torch.testing.assert_close(out.cpu(), dense_attention(batch), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_num_decodes_hint(device: str) -> None:
+    batch = make_batch(DECODES_FIRST_SEQ_LENS, DECODES_FIRST_QUERY_LENS, group=3, device=device)
+    out = triton_paged_attention(*batch.attention_args(), num_decodes=NUM_DECODES, check_block_tables=True)
+    torch.testing.assert_close(out.cpu(), dense_attention(batch), **TOLERANCES[torch.float32])
+    decodes = make_batch([1, 15, 200], [1, 1, 1], group=3, device=device)  # all decodes: the decode-only plan
+    out = triton_paged_attention(*decodes.attention_args(), num_decodes=3)
+    torch.testing.assert_close(out.cpu(), dense_attention(decodes), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)

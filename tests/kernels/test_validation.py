@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -34,11 +36,17 @@ def _shape_errors():
         "float_block_tables": (dict(block_tables=batch["block_tables"].float()), "block_tables must be int32 or int64"),
         "seq_count": (dict(seq_lens=batch["seq_lens"][:1]), "2 rows for 1 sequences"),
         "start_count": (dict(query_start_loc=batch["query_start_loc"][:2]), "num_seqs \\+ 1"),
+        "num_decodes_past_seqs": (dict(num_decodes=3), "num_decodes must be in \\[0, 2\\]"),
+        "num_decodes_negative": (dict(num_decodes=-1), "num_decodes must be in"),
     }
 
 
 @pytest.mark.parametrize("case", list(_shape_errors()))
-@pytest.mark.parametrize("implementation", [paged_attention, pytest.param(triton_paged_attention, marks=ON_CPU_ONLY)])
+@pytest.mark.parametrize("implementation", [
+    paged_attention,
+    pytest.param(functools.partial(paged_attention, validate=False), id="unvalidated"),  # shapes are always checked
+    pytest.param(triton_paged_attention, marks=ON_CPU_ONLY),
+])
 def test_shape_and_dtype_errors_are_caught_before_any_work(case: str, implementation) -> None:
     changes, message = _shape_errors()[case]
     with pytest.raises(KernelInputError, match=message):
@@ -57,6 +65,7 @@ def _value_errors():
         "more_queries_than_context": (dict(seq_lens=torch.tensor([17, 4], dtype=torch.int32)), "more query tokens than context"),
         "context_past_table": (dict(seq_lens=torch.tensor([200, 5], dtype=torch.int32)), "needs more than"),
         "starts_not_ending_at_tokens": (dict(query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32)), "ends at 5"),
+        "chunk_called_a_decode": (dict(num_decodes=2), "not all of the first 2 requests have exactly one query row"),
     }
 
 

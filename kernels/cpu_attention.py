@@ -1,0 +1,62 @@
+"""The C++ CPU paged-attention kernel (csrc/cpu_paged_attention.cpp) as a Python function.
+
+It reads K/V straight from the cache blocks through the block tables: no per-layer copy of any
+request's context, one pass over each (request, KV head)'s blocks with an online softmax in fp32.
+Where it cannot be built (no compiler, a compile error) the torch path serves instead; that is
+said once, in one log line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels.cpu_kernel_build import KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+
+LANES = 16  # the kernel works on 16-float vectors: head_dim must be a multiple, up to 16 of them
+MAX_HEAD_DIM = 256
+
+
+def cpu_kernel_supports(head_dim: int) -> bool:
+    return head_dim % LANES == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def load_cpu_kernel(cache_dir: Path | None = None, compiler: str | None = None) -> bool:
+    """Builds (once per machine, cached on disk) and loads the kernel; False, said in one log
+    line, where that fails. A fresh compile logs its cost (the kernel's first-use cost)."""
+    try:
+        result = load_library(cache_dir, compiler)
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as error:
+        logger.warning("CPU attention kernel unavailable, using the torch path: %s", error)
+        return False
+    if result.compiled:
+        logger.info("compiled the CPU attention kernel in %.1f s (cached in %s)", result.seconds, result.library.parent)
+    return True
+
+
+@functools.cache  # one build-or-load attempt per process; a loaded library stays loaded anyway
+def cpu_kernel_available() -> bool:
+    return load_cpu_kernel()
+
+
+def cpu_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    score_scale: float,
+    out_scale: float,
+) -> torch.Tensor:
+    """The contract of torch_attention.paged_attention with the scales already folded:
+    `score_scale` = scale * k_scale multiplies every score, `out_scale` = v_scale every output.
+    Only call after `cpu_kernel_available()` returned True."""
+    return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale)

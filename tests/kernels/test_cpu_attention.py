@@ -1,0 +1,114 @@
+"""The C++ CPU kernel against the torch oracle, and what only it does (strided queries, wide
+indices, threads, in-kernel bounds checks, the torch fallback for head dims it does not cover)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from kvserve.kernels import paged_attention
+from kvserve.kernels.cpu_attention import cpu_kernel_available, cpu_paged_attention
+from kvserve.kernels.torch_attention import torch_paged_attention
+from tests.kernels.paged_batch import FP8, TOLERANCES, dense_attention, make_batch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    # Where a compiler exists the kernel must build: a broken build fails here instead of
+    # silently testing the torch fallback twice.
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the torch path serves (covered by test_torch_attention.py)")
+    assert cpu_kernel_available()
+
+
+def _random_batch(seed: int, *, num_seqs: int, decodes_first: bool = False, **options):
+    rng = random.Random(seed)
+    seq_lens = [rng.choice([1, 15, 16, 17, 33, 200, rng.randint(1, 300)]) for _ in range(num_seqs)]
+    query_lens = [1 if rng.random() < 0.6 else rng.randint(1, s) for s in seq_lens]
+    if decodes_first:
+        pairs = sorted(zip(query_lens, seq_lens, strict=True), key=lambda pair: pair[0] != 1)
+        query_lens, seq_lens = [q for q, _ in pairs], [s for _, s in pairs]
+    return make_batch(seq_lens, query_lens, seed=seed, **options), query_lens
+
+
+def _kernel(batch, **scales) -> torch.Tensor:
+    k_scale, v_scale = scales.get("k_scale", 1.0), scales.get("v_scale", 1.0)
+    return cpu_paged_attention(*batch.attention_args()[:-1], batch.scale * k_scale, v_scale)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (1, 8), (1, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_random_batches_match_the_torch_path(seed: int, num_kv_heads: int, group: int, dtype: torch.dtype) -> None:
+    batch, _ = _random_batch(seed, num_seqs=9, num_kv_heads=num_kv_heads, group=group, dtype=dtype, block_size=(8, 16, 32)[seed % 3])
+    torch.testing.assert_close(_kernel(batch).float(), torch_paged_attention(*batch.attention_args()).float(), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_matches_the_torch_path(dtype: torch.dtype) -> None:
+    batch, _ = _random_batch(7, num_seqs=9, group=3, dtype=dtype, kv_dtype=FP8, kv_scale=0.05)
+    scales = dict(k_scale=0.05, v_scale=0.05)
+    torch.testing.assert_close(_kernel(batch, **scales).float(), torch_paged_attention(*batch.attention_args(), **scales).float(), **TOLERANCES[dtype])
+
+
+def test_both_threads_split_a_large_mixed_batch() -> None:
+    batch, query_lens = _random_batch(11, num_seqs=40, decodes_first=True, group=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = paged_attention(*batch.attention_args(), num_decodes=query_lens.count(1))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, dense_attention(batch), **TOLERANCES[torch.float32])
+
+
+def test_strided_query_and_int64_metadata() -> None:
+    batch = make_batch([33, 9, 200], [5, 1, 1], group=3)
+    fused = torch.cat([batch.query, torch.randn_like(batch.query)], dim=1)  # [T, 2 * heads, D]: a qkv split's view
+    query_view = fused[:, : batch.query.shape[1]]
+    assert not query_view.is_contiguous()
+    out = cpu_paged_attention(query_view, batch.key_cache, batch.value_cache, batch.block_tables.long(), batch.seq_lens.long(),
+                              batch.query_start_loc.long(), batch.scale, 1.0)
+    torch.testing.assert_close(out, dense_attention(batch), **TOLERANCES[torch.float32])
+
+
+def test_head_dims_the_kernel_does_not_cover_fall_back_to_torch() -> None:
+    batch = make_batch([17, 40], [1, 7], group=2, head_dim=24)
+    torch.testing.assert_close(paged_attention(*batch.attention_args()), dense_attention(batch), **TOLERANCES[torch.float32])
+
+
+def _bad_metadata():
+    batch = make_batch([17, 5], [1, 5], group=2)
+    past_cache = batch.block_tables.clone()
+    past_cache[0, 1] = batch.key_cache.shape[0]
+    return batch, {
+        "block_past_cache": (dict(block_tables=past_cache), r"block_tables\[0, 1\] = \d+ is outside"),
+        "more_queries_than_context": (dict(seq_lens=torch.tensor([17, 4], dtype=torch.int32)), "more query tokens than context"),
+        "context_past_table": (dict(seq_lens=torch.tensor([200, 5], dtype=torch.int32)), "needs more than"),
+        "starts_not_ending_at_tokens": (dict(query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32)), "ends at 5"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_metadata()[1]))
+def test_unvalidated_calls_are_still_bounds_checked_by_the_kernel(case: str) -> None:
+    batch, cases = _bad_metadata()
+    changes, message = cases[case]
+    args = dict(query=batch.query, key_cache=batch.key_cache, value_cache=batch.value_cache, block_tables=batch.block_tables,
+                seq_lens=batch.seq_lens, query_start_loc=batch.query_start_loc, scale=batch.scale) | changes
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**args, validate=False)
+
+
+def test_every_fp8_code_is_read_exactly() -> None:
+    # 16 one-token requests; request i's value row holds codes 16i..16i+15, so out[i] = that row.
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).view(16, 1, 1, 16)
+    value_cache = torch.cat([codes, codes], dim=2)  # block_size 2: row 1 is never read
+    key_cache = torch.zeros_like(value_cache)
+    out = cpu_paged_attention(
+        torch.ones(16, 1, 16), key_cache, value_cache, torch.arange(16, dtype=torch.int32).view(16, 1),
+        torch.ones(16, dtype=torch.int32), torch.arange(17, dtype=torch.int32), 1.0, 1.0,
+    )
+    torch.testing.assert_close(out.view(256), codes.view(256).float(), rtol=0, atol=0, equal_nan=True)
