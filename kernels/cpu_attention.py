@@ -1,4 +1,4 @@
-"""The C++ CPU paged-attention kernel (csrc/cpu_paged_attention.cpp) as a Python function.
+"""The C++ CPU kernels (csrc/cpu_paged_attention.cpp) as Python functions: paged attention, KV write.
 
 It reads K/V straight from the cache blocks through the block tables: no per-layer copy of any
 request's context, one pass over each (request, KV head)'s blocks with an online softmax in fp32.
@@ -60,3 +60,17 @@ def cpu_paged_attention(
     `score_scale` = scale * k_scale multiplies every score, `out_scale` = v_scale every output.
     Only call after `cpu_kernel_available()` returned True."""
     return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale)
+
+
+def cpu_write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """The contract of torch_attention.write_kv_cache (scales already checked). Only call after
+    `cpu_kernel_available()` returned True."""
+    torch.ops.kvserve_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)

@@ -89,8 +89,13 @@ def check_attention_shapes(
     num_seqs = seq_lens.shape[0]
     _require(block_tables.shape[0] == num_seqs, f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
     _require(query_start_loc.shape[0] == num_seqs + 1, f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
+    check_num_decodes(num_decodes, num_seqs, query.shape[0])
+
+
+def check_num_decodes(num_decodes: int | None, num_seqs: int, num_tokens: int) -> None:
+    """O(1): the decodes-first split must fit the batch (each decode has one query row)."""
     if num_decodes is not None:
-        _require(0 <= num_decodes <= min(num_seqs, query.shape[0]), f"num_decodes must be in [0, {min(num_seqs, query.shape[0])}] (sequences with a query row each), got {num_decodes}")
+        _require(0 <= num_decodes <= min(num_seqs, num_tokens), f"num_decodes must be in [0, {min(num_seqs, num_tokens)}] (sequences with a query row each), got {num_decodes}")
 
 
 def check_attention_values(

@@ -1,6 +1,7 @@
-// Paged attention on the CPU that reads K/V in place, through the block tables.
+// Paged attention on the CPU that reads K/V in place, through the block tables, and the KV-cache
+// write beside it.
 //
-// Same contract as kvserve.kernels.torch_attention.paged_attention (cache layout
+// Same contracts as kvserve.kernels.torch_attention.paged_attention / write_kv_cache (cache layout
 // [num_blocks, num_kv_heads, block_size, head_dim]); built and loaded by cpu_kernel_build.py.
 //
 // One work item = (request, KV head, tile of that request's query tokens):
@@ -32,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -350,6 +352,9 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
                            const at::Tensor& query_start_loc_in, double score_scale, double out_scale) {
   TORCH_CHECK_VALUE(query_in.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
                     "query must be [tokens, heads, head_dim] and both caches [blocks, kv_heads, block_size, head_dim]");
+  for (const at::Tensor* t : {&query_in, &key_cache, &value_cache, &block_tables, &seq_lens_in, &query_start_loc_in}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "every tensor must be on the CPU");
+  }
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && seq_lens_in.dim() == 1 && query_start_loc_in.dim() == 1,
                     "block_tables must be 2-d, seq_lens and query_start_loc 1-d");
   for (const at::Tensor* t : {&block_tables, &seq_lens_in, &query_start_loc_in}) {
@@ -418,12 +423,93 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   return out;
 }
 
+// ---- KV-cache write ------------------------------------------------------------------------
+
+template <typename src_t, typename cache_t>
+void write_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slots, float scale) {
+  const int64_t num_tokens = rows.size(0), num_kv_heads = rows.size(1), head_dim = rows.size(2);
+  const int64_t block_size = cache.size(2);
+  const src_t* src = static_cast<const src_t*>(rows.data_ptr());
+  cache_t* dst = static_cast<cache_t*>(cache.data_ptr());
+  const bool fp8 = std::is_same<cache_t, c10::Float8_e4m3fn>::value;
+  const bool copy = std::is_same<src_t, cache_t>::value && scale == 1.0f;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;  // padding: not written
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const src_t* in = src + t * rows.stride(0) + h * rows.stride(1);
+      cache_t* out = dst + (slot / block_size) * cache.stride(0) + h * cache.stride(1) + (slot % block_size) * cache.stride(2);
+      if (copy) {
+        std::memcpy(out, in, head_dim * sizeof(cache_t));
+        continue;
+      }
+      // As kv_quant.quantize_for_cache: x / scale in fp32, saturated for fp8, rounded to nearest.
+      for (int64_t d = 0; d < head_dim; ++d) {
+        float x = static_cast<float>(in[d]) / scale;
+        if (fp8) x = std::min(std::max(x, -448.0f), 448.0f);
+        out[d] = static_cast<cache_t>(x);
+      }
+    }
+  }
+}
+
+template <typename cache_t>
+void write_rows_from(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slots, float scale) {
+  switch (rows.scalar_type()) {
+    case at::kFloat: return write_rows<float, cache_t>(rows, cache, slots, scale);
+    case at::kHalf: return write_rows<c10::Half, cache_t>(rows, cache, slots, scale);
+    case at::kBFloat16: return write_rows<c10::BFloat16, cache_t>(rows, cache, slots, scale);
+    default: TORCH_CHECK_VALUE(false, "key/value must be float32, float16 or bfloat16, got ", rows.scalar_type());
+  }
+}
+
+void write_cache(const at::Tensor& rows_in, const at::Tensor& cache, const int64_t* slots, float scale) {
+  const at::Tensor rows = rows_in.stride(2) == 1 ? rows_in : rows_in.contiguous();
+  switch (cache.scalar_type()) {
+    case at::kFloat: return write_rows_from<float>(rows, cache, slots, scale);
+    case at::kHalf: return write_rows_from<c10::Half>(rows, cache, slots, scale);
+    case at::kBFloat16: return write_rows_from<c10::BFloat16>(rows, cache, slots, scale);
+    case at::kFloat8_e4m3fn: return write_rows_from<c10::Float8_e4m3fn>(rows, cache, slots, scale);
+    default: TORCH_CHECK_VALUE(false, "KV cache dtype must be float32, float16, bfloat16 or float8_e4m3fn, got ", cache.scalar_type());
+  }
+}
+
+// Scatters this step's K/V rows into their slots: the same contract as
+// torch_attention.write_kv_cache, in one pass without the index tensors torch would build.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+  for (const at::Tensor* t : {&key, &value, &key_cache, &value_cache, &slot_mapping}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "every tensor must be on the CPU");
+  }
+  TORCH_CHECK_VALUE(key.dim() == 3 && key.sizes() == value.sizes() && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+                    "key/value must be [tokens, kv_heads, head_dim] and both caches [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK_VALUE(key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3), "key/value rows do not fit the cache");
+  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "KV caches must be contiguous in head_dim");
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(), "key_cache and value_cache must have the same dtype");
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), "slot_mapping needs one entry per key/value row");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
+  for (int64_t t = 0; t < slots.size(0); ++t) {  // all checked before anything is written
+    const int64_t slot = slots.data_ptr<int64_t>()[t];
+    TORCH_CHECK_VALUE(slot >= -1 && slot < num_slots, "slot_mapping holds slot ", slot, "; slots are in [0, ", num_slots,
+                      "), or -1 for padding that is not written");
+  }
+  write_cache(key, key_cache, slots.data_ptr<int64_t>(), static_cast<float>(k_scale));
+  write_cache(value, value_cache, slots.data_ptr<int64_t>(), static_cast<float>(v_scale));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float score_scale, float out_scale) -> Tensor");
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+      "float k_scale, float v_scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}

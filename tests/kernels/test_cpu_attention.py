@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from kvserve.kernels import paged_attention
+from kvserve.kernels import paged_attention, write_kv_cache
 from kvserve.kernels.cpu_attention import cpu_kernel_available, cpu_paged_attention
 from kvserve.kernels.torch_attention import torch_paged_attention
 from tests.kernels.paged_batch import FP8, TOLERANCES, dense_attention, make_batch
@@ -112,3 +112,11 @@ def test_every_fp8_code_is_read_exactly() -> None:
         torch.ones(16, dtype=torch.int32), torch.arange(17, dtype=torch.int32), 1.0, 1.0,
     )
     torch.testing.assert_close(out.view(256), codes.view(256).float(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_unvalidated_writes_are_still_checked_by_the_kernel_before_anything_is_written() -> None:
+    key_cache, value_cache = torch.zeros(6, 3, 8, 64), torch.zeros(6, 3, 8, 64)
+    key = torch.randn(2, 3, 64)
+    with pytest.raises(ValueError, match="only 48 slots"):
+        write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, 48]), validate=False)
+    assert torch.count_nonzero(key_cache) == 0

@@ -1,4 +1,5 @@
-"""KV-cache writes: both paths land each row in its slot, skip -1 padding and quantise for fp8."""
+"""KV-cache writes: every path (the serving entry, which runs the C++ kernel on the CPU; plain
+torch; Triton) lands each row in its slot, skips -1 padding and quantises for fp8, bit-identically."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import pytest
 import torch
 
 from kvserve.kernels import FP8_E4M3_MAX, FP8_KV_DTYPE, write_kv_cache
+from kvserve.kernels.torch_attention import torch_write_kv_cache
 from kvserve.kernels.triton_kv_write import triton_write_kv_cache
 
 INTERPRETER_OR_CUDA = [
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")),
     pytest.param("cuda", marks=pytest.mark.gpu),
 ]
-WRITERS = {"torch": write_kv_cache, "triton": triton_write_kv_cache}
+WRITERS = {"serving": write_kv_cache, "torch": torch_write_kv_cache, "triton": triton_write_kv_cache}
 
 
 def _caches(dtype: torch.dtype, device: str, num_kv_heads: int = 3, head_dim: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,11 +52,30 @@ def test_triton_write_equals_torch_write_for_fp8_with_scale(device: str) -> None
         key_cache, value_cache = _caches(FP8_KV_DTYPE, device, num_kv_heads=2, head_dim=128)
         writer(key, value, key_cache, value_cache, slots, k_scale=0.02, v_scale=0.01)
         results.append((key_cache.float(), value_cache.float()))
-    (torch_k, torch_v), (triton_k, triton_v) = results
+    (serving_k, serving_v), (torch_k, torch_v), (triton_k, triton_v) = results
     assert torch.equal(torch_k, triton_k) and torch.equal(torch_v, triton_v)
+    assert torch.equal(torch_k, serving_k) and torch.equal(torch_v, serving_v)
     assert torch_k[0, 0, 3, 0] == FP8_E4M3_MAX and not torch_k.isnan().any()
     dequantised = torch_k[0, :, 4] * 0.02  # slot 4 holds row 1
     torch.testing.assert_close(dequantised, key[1].cpu().float(), rtol=2**-4, atol=0.02 * 2**-10)  # e4m3: half an ulp of 3 mantissa bits
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, FP8_KV_DTYPE])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [None, 0.03])
+def test_serving_write_equals_torch_bit_for_bit(dtype: torch.dtype, cache_dtype: torch.dtype, scale: float | None) -> None:
+    generator = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(7, 3, 64, generator=generator).to(dtype) for _ in range(2))
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 1e-3, 0.0])  # saturation in fp8, subnormals, zero
+    slots = torch.tensor([5, -1, 40, 0, 47, 9, 16])
+    caches = []
+    for writer in (write_kv_cache, torch_write_kv_cache):
+        key_cache, value_cache = _caches(cache_dtype, "cpu")
+        # A strided key: a view of a fused qkv projection, as the model passes it.
+        fused = torch.cat([key, value], dim=1)
+        writer(fused[:, :3], value, key_cache, value_cache, slots, k_scale=scale, v_scale=scale)
+        caches.append((key_cache.view(torch.uint8), value_cache.view(torch.uint8)))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
 def test_write_rejects_slots_past_the_cache() -> None:
@@ -64,9 +85,6 @@ def test_write_rejects_slots_past_the_cache() -> None:
         write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, 48]))
     with pytest.raises(ValueError, match="-1 for padding"):
         write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, -2]))
-    # Unvalidated (the serving backends), a slot past the cache still fails in the indexing.
-    with pytest.raises(IndexError):
-        write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, 48]), validate=False)
 
 
 def test_write_rejects_rows_that_do_not_fit_the_cache() -> None:
