@@ -7,7 +7,7 @@ server and engine is visible in one place.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -36,7 +36,8 @@ class ServingTokenizer(Protocol):
 
     def token_to_text(self, token_id: int) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
 
 
 class ServingEngine(Protocol):

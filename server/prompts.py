@@ -10,6 +10,7 @@ admission check alone; `admit` turns its refusal into the OpenAI error.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.engine import AdmissionError, PromptTooLongError, SamplingParams
 from kvserve.server.engine_protocol import ServingEngine, ServingTokenizer
@@ -42,8 +43,20 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], to
             else TokenizedPrompt(None, item) for item in items]
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them; an assistant turn's tool calls and a tool turn's
+    call id go along (templates render them), and a turn with only tool calls has no content."""
+    rendered: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": None if m.content is None and m.tool_calls else m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        rendered.append(message)
+    return rendered
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.server.structured_outputs import StructuredOutputFields
+from kvserve.server.tool_calls import NamedToolChoice, ToolCall, ToolDefinition
 
 # Fields OpenAI defines that we do not implement, with the values that mean "not used" (clients
 # and load testers often send those explicitly); any other value gets a 400 that says so. Fields
@@ -20,8 +21,6 @@ from kvserve.server.structured_outputs import StructuredOutputFields
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "audio": (None,),
@@ -31,7 +30,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
 }
 # OpenAI fields that are accepted and have no effect on a self-hosted server.
-IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
 
 
 class StreamOptions(BaseModel):
@@ -99,6 +98,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered by the template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
     def text(self) -> str:
         if self.content is None:
@@ -115,6 +116,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -186,7 +190,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # as vLLM: [] when there are none
 
 
 class ChatChoice(BaseModel):
@@ -208,7 +213,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}, {} last
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -112,12 +112,13 @@ class Tokenizer:
 
     # --- chat -----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError(
                 "this model has no chat template (none in its GGUF metadata or tokenizer_config.json); "
                 "use the completions API with a plain prompt instead")
-        return self._template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     # --- helpers --------------------------------------------------------------------------------
 

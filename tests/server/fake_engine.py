@@ -45,7 +45,8 @@ class FakeTokenizer:
     def token_to_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if messages[-1]["role"] == "assistant" and add_generation_prompt:
             raise ChatTemplateError("the last message is from the assistant")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)

@@ -83,8 +83,8 @@ async def test_chat_completion_shape(client: httpx.AsyncClient) -> None:
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     prompt = "<system>be brief\n<user>hi\n<assistant>"
     assert [c["message"] for c in body["choices"]] == [
-        {"role": "assistant", "content": expected_text(prompt, 4, 0)},
-        {"role": "assistant", "content": expected_text(prompt, 4, 1)}]
+        {"role": "assistant", "content": expected_text(prompt, 4, 0), "tool_calls": []},
+        {"role": "assistant", "content": expected_text(prompt, 4, 1), "tool_calls": []}]
     assert body["usage"]["prompt_tokens"] == len(prompt.encode())
 
 
