@@ -5,8 +5,8 @@
 
 1. all_reduce: N processes in one gloo (CPU) or NCCL (CUDA) group, each all_reduce of a
    [batch, hidden] tensor in the model dtype timed (median of --iterations). A decode step makes
-   2 per layer (after o_proj and down_proj), so the collective cost per step is about
-   2 x layers x that latency.
+   2 per layer (after o_proj and down_proj) and 1 for the embedding, so the collective cost per
+   step is about (2 x layers + 1) x that latency (plus the lm_head's all_gather of the logits).
 2. Engine steps: a TP=1 and a TP=N engine side by side, each with `batch` running requests in
    decode; steps alternate between them (A, B, A, B, ...) so machine noise hits both alike, and
    the median step time of each is reported.
@@ -128,9 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = load_model_config(resolve_model(args.model).path)
     latency = all_reduce_latency(args, device, dtype, shape.hidden_size, batches)
     steps = step_times(args, batches)
-    per_step = 2 * shape.num_layers
+    per_step = 2 * shape.num_layers + 1
     print(f"\n{args.model}: {shape.num_layers} layers, hidden {shape.hidden_size}, {dtype}, {device}, TP={args.tp} "
-          f"({'NCCL' if device.type == 'cuda' else 'gloo'}); {per_step} all_reduces per step\n")
+          f"({'NCCL' if device.type == 'cuda' else 'gloo'}); {per_step} all_reduces and 1 all_gather per step\n")
     print("| batch | all_reduce us | collectives per step ms | TP=1 step ms | TP=%d step ms |" % args.tp)
     print("|---|---|---|---|---|")
     for batch in batches:

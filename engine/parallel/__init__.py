@@ -1,11 +1,13 @@
-"""Tensor parallelism: N processes each hold 1/N of every attention head group and MLP column,
-and 1/N of the paged KV cache (their KV heads); rank 0 also runs the scheduler.
+"""Tensor parallelism: N processes each hold 1/N of every attention head group, MLP column and
+vocabulary row, and 1/N of the paged KV cache (their KV heads); rank 0 also runs the scheduler.
 
     rank 0 (the engine process)                  ranks 1..N-1 (worker processes)
     scheduler.schedule() -> SchedulerOutput ──pipe──► same SchedulerOutput
     runner.execute(output)                        runner.execute(output)
+      vocab-parallel embedding ── all_reduce ─────── all_reduce
       column-parallel qkv / gate_up (no comm)       (same layers, other shards)
       row-parallel o / down ── all_reduce ──────────── all_reduce
+      vocab-parallel lm_head ── all_gather ──────────── all_gather
     sampled tokens -> scheduler                   (result discarded)
 
 Collectives use torch.distributed: gloo on CPU, NCCL on CUDA. The plain-data SchedulerOutput is

@@ -16,6 +16,7 @@ from torch import nn
 from kvserve.engine import LLM, AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from kvserve.engine.config import ConfigError
 from kvserve.engine.parallel import WorkerDiedError, check_tensor_parallel, rank_model_config
+from kvserve.engine.parallel.layers import VocabShard
 from kvserve.engine.parallel.sharding import column_shard, row_shard
 from kvserve.engine.stats import FinishedRequestStats, StepStats
 from tests.server.tiny_checkpoint import write_tiny_checkpoint
@@ -57,6 +58,14 @@ def test_column_and_row_shards_recompose_the_layer() -> None:
     h = torch.randn(5, 8)
     partials = [nn.functional.linear(h.chunk(world, dim=-1)[r], row_shard(down.weight, r, world)) for r in range(world)]
     torch.testing.assert_close(sum(partials), down(h))
+
+
+def test_vocab_shards_are_padded_to_equal_sizes_with_rows_no_token_reaches() -> None:
+    table = torch.arange(10.0).reshape(5, 2)  # vocab 5 over 2 ranks: 3 rows each, the last one padding
+    first, second = VocabShard(table, 0, 2), VocabShard(table, 1, 2)
+    assert (first.start, second.start) == (0, 3)
+    torch.testing.assert_close(first.rows, table[:3])
+    torch.testing.assert_close(second.rows, torch.cat([table[3:], torch.zeros(1, 2)]))
 
 
 def test_sizes_that_do_not_divide_the_heads_are_refused(tiny_gqa: Path) -> None:
