@@ -157,7 +157,8 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
 
     def execute(self, output: SchedulerOutput, token_mask: TokenMask | None = None) -> ModelRunnerOutput:
-        """Only rank 0 samples, so only it needs the structured-output mask."""
+        """Workers sample too, unmasked, and their tokens are discarded: the structured-output mask
+        applies after the step's last collective, so only rank 0 needs it."""
         self.workers.send(output)
         return super().execute(output, token_mask)
 
