@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvserve.engine.attention_metadata import AttentionMetadata
+from kvserve.engine.attention_metadata import build_flat_batch
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_loader import load_model
@@ -64,10 +64,9 @@ class Batch:
         """Append new_tokens[i] to request i; returns the last row's logits per request."""
         q_lens = [len(t) for t in new_tokens]
         seq_lens = [n + q for n, q in zip(self.lens, q_lens)]
-        meta = AttentionMetadata.build(q_lens, seq_lens, self.block_ids, BLOCK_SIZE)
+        flat = build_flat_batch(q_lens, self.lens, self.block_ids, BLOCK_SIZE)
         ids = torch.tensor([t for toks in new_tokens for t in toks])
-        positions = torch.tensor([p for n, q in zip(self.lens, q_lens) for p in range(n, n + q)])
-        hidden = self.model(ids, positions, self.kv_caches, meta, self.attention)
+        hidden = self.model(ids, flat.positions, self.kv_caches, flat.attn_metadata, self.attention)
         last_rows = torch.tensor(seq_lens) - torch.tensor(self.lens)
         self.lens = seq_lens
         return self.model.compute_logits(hidden[torch.cumsum(last_rows, 0) - 1])
@@ -104,8 +103,8 @@ def greedy(model, config, dtype, prompts: list[list[int]], max_new: int) -> list
 def mean_nll(model, config, dtype, ids: list[int]) -> float:
     """Teacher-forced next-token negative log-likelihood (nats/token) of one passage."""
     runner = Batch(model, config, dtype, 1, len(ids))
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], runner.block_ids, BLOCK_SIZE)
-    hidden = model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta, runner.attention)
+    flat = build_flat_batch([len(ids)], [0], runner.block_ids, BLOCK_SIZE)
+    hidden = model(torch.tensor(ids), flat.positions, runner.kv_caches, flat.attn_metadata, runner.attention)
     logits = model.compute_logits(hidden)
     return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
 

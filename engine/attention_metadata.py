@@ -1,17 +1,22 @@
 """Where this step's tokens sit in the paged KV cache: passed to the forward explicitly, never
-through a global forward context.
+through a global forward context. Built once per step (here, vectorised), read by every layer.
 
-    flattened batch:   | req0 q0 q1 q2 | req1 q0 | req2 q0 q1 |      T = 6 tokens
-    query_start_loc:   0               3         4            6     [B+1]
-    seq_lens:          context after this step, per request       [B]
-    slot_mapping:      block_id * block_size + offset per token    [T]  (-1: padding, not written)
-    block_tables:      request -> physical block ids, padded       [B, max_blocks]
+    flattened batch:   | req0 q0 | req1 q0 | req2 q0 q1 q2 | req3 q0 q1 |   T = 7 tokens
+                         decode    decode    prompt chunk    prompt chunk
+    num_decodes:       2  (requests [0, 2) are single-token decodes, query rows [0, 2))
+    query_start_loc:   0         1         2               5            7     [B+1]
+    seq_lens:          context after this step, per request                    [B]
+    positions:         num_computed[i] .. seq_lens[i]-1 per request, end to end [T]
+    slot_mapping:      block_id * block_size + offset per token                [T]  (-1: padding, not written)
+    block_tables:      request -> physical block ids, padded with 0            [B, max_blocks]
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -23,6 +28,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32
     max_query_len: int
     max_seq_len: int
+    # Requests [0, num_decodes) are single-query decodes in query rows [0, num_decodes); the rest
+    # are prompt chunks. Kernels use it to split the batch without reading the offsets.
+    num_decodes: int
 
     def __post_init__(self) -> None:
         expected = {
@@ -45,6 +53,8 @@ class AttentionMetadata:
         if self.max_query_len < 1 or self.max_seq_len < self.max_query_len:
             raise ValueError(f"AttentionMetadata: need 1 <= max_query_len ({self.max_query_len}) <= "
                              f"max_seq_len ({self.max_seq_len})")
+        if not 0 <= self.num_decodes <= num_seqs:
+            raise ValueError(f"AttentionMetadata: num_decodes {self.num_decodes} is outside [0, {num_seqs}]")
 
     @property
     def num_seqs(self) -> int:
@@ -54,27 +64,61 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
-    @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_ids: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """From per-request lists: request i has seq_lens[i] tokens of context after this step, of
-        which the last query_lens[i] are computed now, and its block table is block_ids[i]."""
-        slots: list[int] = []
-        for q_len, seq_len, blocks in zip(query_lens, seq_lens, block_ids, strict=True):
-            if q_len < 1 or seq_len < q_len or len(blocks) * block_size < seq_len:
-                raise ValueError(f"request with {q_len} queries, {seq_len} context and {len(blocks)} "
-                                 f"blocks of {block_size} is inconsistent")
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
-        width = max(len(b) for b in block_ids)
-        tables = [b + [0] * (width - len(b)) for b in block_ids]
-        starts = [0]
-        for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
-        return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """One step's requests laid end to end: each token's position, and the attention metadata."""
+
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+
+
+def build_flat_batch(query_lens: Sequence[int], num_computed: Sequence[int], block_ids: Sequence[Sequence[int]],
+                     block_size: int, device: torch.device | str = "cpu") -> FlatBatch:
+    """The one builder of positions and slots (runner, tests and benchmarks all use it).
+
+    Request i computes query_lens[i] tokens at positions num_computed[i] onwards, and its block
+    table is block_ids[i]. The order is the caller's: leading single-token requests count as
+    decodes (the runner puts them first). Checked here, once per step, so that the layers need not.
+    """
+    num_seqs = len(query_lens)
+    if not num_seqs or len(num_computed) != num_seqs or len(block_ids) != num_seqs:
+        raise ValueError(f"need one query length, computed count and block table per request, got "
+                         f"{num_seqs}, {len(num_computed)} and {len(block_ids)}")
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    computed = np.asarray(num_computed, dtype=np.int64)
+    seq_lens = computed + q_lens
+    table_lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=num_seqs)
+    bad = np.flatnonzero((q_lens < 1) | (computed < 0) | (table_lens * block_size < seq_lens))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"request {i} with {q_lens[i]} queries after {computed[i]} computed tokens and "
+                         f"{table_lens[i]} blocks of {block_size} is inconsistent")
+
+    block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int64)
+    for i, blocks in enumerate(block_ids):  # one Python iteration per request, none per token
+        block_tables[i, : len(blocks)] = blocks
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    # Token t belongs to request r = request_of_token[t] and sits at position
+    # computed[r] + (t - query_start_loc[r]); its slot is found through r's block table.
+    request_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = computed[request_of_token] + (np.arange(num_tokens) - query_start_loc[request_of_token])
+    slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
+    not_decode = np.flatnonzero(q_lens != 1)
+    num_decodes = int(not_decode[0]) if not_decode.size else num_seqs
+
+    def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slot_mapping, torch.int64),
+        block_tables=tensor(block_tables, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        query_start_loc=tensor(query_start_loc, torch.int32),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        num_decodes=num_decodes,
+    )
+    return FlatBatch(positions=tensor(positions, torch.int64), attn_metadata=meta)

@@ -38,6 +38,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     enable_prefix_caching: bool = True
+    # Skip torch.compile and run the model eagerly (vLLM's name). Compiling applies on CPU only
+    # so far; CUDA runs eagerly either way.
+    enforce_eager: bool = False
     seed: int = 0
     quantization: str | None = None  # None (the model dtype) | int8 | int4: weight-only, applied after loading
     cpu_threads: int | None = None  # torch intra-op threads; None: OMP_NUM_THREADS or the CPUs this process may use

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine.compilation import compile_at_start_up
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.cpu_threads import apply_cpu_threads
 from kvserve.engine.device import resolve_device, resolve_dtype
@@ -77,11 +78,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     attention = attention_backend(config, device)
     kv_spec = KVCacheSpec(num_blocks=num_blocks, block_size=config.block_size, dtype=kv_dtype)
     eos_token_ids = end_of_generation_ids(model_config, tokenizer.eos_token_id)
+    # Compiled on CPU unless --enforce-eager; on CUDA and in tensor-parallel workers the compiled
+    # path is not verified yet, so they run eagerly.
+    compiled = not config.enforce_eager and device.type == "cpu" and config.tensor_parallel_size == 1
     if config.tensor_parallel_size > 1:
         runner: ModelRunner = TensorParallelRunner.start(config, source, model, model_config, kv_spec, attention,
                                                          device, dtype, eos_token_ids)
     else:
-        runner = ModelRunner(model, model_config, kv_spec, attention, device, eos_token_ids)
+        runner = ModelRunner(model, model_config, kv_spec, attention, device, eos_token_ids, compiled=compiled)
+        if compiled:
+            compile_at_start_up(runner.warm_up)
     kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(
@@ -94,10 +100,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         kv_manager,
     )
     logger.info(
-        "model %s (%s) on %s in %s%s; KV cache (%s): %d blocks of %d tokens, %.2f GiB; attention: %s; %d CPU threads",
+        "model %s (%s) on %s in %s%s; KV cache (%s): %d blocks of %d tokens, %.2f GiB; attention: %s; %d CPU threads; %s forward",
         config.model, model_config.architecture, device, str(dtype).removeprefix("torch."),
         f" with {config.quantization} weights" if config.quantization else "", str(kv_dtype).removeprefix("torch."),
         num_blocks, config.block_size, num_blocks * block_bytes / 2**30, attention.name, threads,
+        "compiled" if compiled else "eager",
     )
     return EngineParts(model_config, tokenizer, scheduler, runner)
 

@@ -36,6 +36,7 @@ class LLM:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        enforce_eager: bool = False,
         seed: int = 0,
         quantization: str | None = None,
         cpu_threads: int | None = None,
@@ -46,7 +47,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
-            seed=seed, quantization=quantization, cpu_threads=cpu_threads,
+            enforce_eager=enforce_eager, seed=seed, quantization=quantization, cpu_threads=cpu_threads,
             tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine.from_config(config)

@@ -3,7 +3,7 @@
     SchedulerOutput ──► input_ids, positions, AttentionMetadata ──► model.forward ──► hidden
     hidden[last row of each sampling request] ──► logits ──► Sampler ──► ModelRunnerOutput
 
-Metadata is built with numpy over whole arrays: one Python iteration per request, none per token.
+Metadata is built once per step (attention_metadata.build_flat_batch), with decodes first.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.engine.attention_metadata import AttentionMetadata
+from kvserve.engine.attention_metadata import AttentionMetadata, build_flat_batch
+from kvserve.engine.compilation import compile_layers, symbolic_sizes
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
 from kvserve.kernels import AttentionBackend
-from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class StepInputs:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # row of each sampling request's last token in the flat batch
+    requests: list[ScheduledRequest]  # in the flattened order (decodes first)
 
 
 class ModelRunner:
@@ -50,8 +52,15 @@ class ModelRunner:
         attention: AttentionBackend,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
+        *,
+        compiled: bool = False,
     ) -> None:
+        """compiled: run the decoder layers through torch.compile (engine/compilation.py); call
+        `warm_up` once before serving so that compiling happens at start-up."""
         self.model = model
+        self.compiled = compiled
+        if compiled:
+            compile_layers(model)
         self.model_dtype = next(model.parameters()).dtype
         self.model_config = model_config
         self.kv_spec = kv_spec
@@ -71,8 +80,8 @@ class ModelRunner:
         if output.blocks_to_copy:
             self._copy_blocks(output.blocks_to_copy)
         inputs = self.prepare_inputs(output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, self.attention)
-        plan = PromptLogprobsPlan.from_scheduled(output.scheduled)
+        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        plan = PromptLogprobsPlan.from_scheduled(inputs.requests)  # rows in the flattened order
         prompt_logprobs = {} if plan is None else compute_prompt_logprobs(hidden, plan, self.model.compute_logits)
         sampling = [r for r in output.scheduled if r.samples]
         if not sampling:
@@ -91,44 +100,44 @@ class ModelRunner:
         )
 
     def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
+        """Flattens the step with single-token requests (decodes) first, as the attention
+        kernels want; `logits_indices` stays in the scheduler's order of sampling requests."""
         scheduled = output.scheduled
-        block_size = self.kv_spec.block_size
-        query_lens = np.fromiter((len(r.token_ids) for r in scheduled), dtype=np.int64, count=len(scheduled))
-        computed = np.fromiter((r.num_computed_tokens for r in scheduled), dtype=np.int64, count=len(scheduled))
-        seq_lens = computed + query_lens
-        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-
-        # positions: for request i, computed[i] .. seq_lens[i]-1, laid end to end.
-        request_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
-        positions = computed[request_of_token] + (np.arange(num_tokens) - query_start_loc[request_of_token])
-
-        max_blocks = max(len(r.block_ids) for r in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
-        for i, r in enumerate(scheduled):
-            block_tables[i, : len(r.block_ids)] = r.block_ids
-        slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
-
-        input_ids = np.fromiter((t for r in scheduled for t in r.token_ids), dtype=np.int64, count=num_tokens)
-        sampling_rows = np.fromiter((i for i, r in enumerate(scheduled) if r.samples), dtype=np.int64)
-        logits_indices = query_start_loc[sampling_rows + 1] - 1
-
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
+        order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)  # stable
+        batch = [scheduled[i] for i in order]
+        flat = build_flat_batch([len(r.token_ids) for r in batch], [r.num_computed_tokens for r in batch],
+                                [r.block_ids for r in batch], self.kv_spec.block_size, self.device)
+        input_ids = np.fromiter((t for r in batch for t in r.token_ids), dtype=np.int64, count=flat.attn_metadata.num_tokens)
+        # Request i of the scheduler's order is flattened request position[i], whose last row is
+        # ends[position[i]] - 1.
+        position = np.empty(len(order), dtype=np.int64)
+        position[order] = np.arange(len(order))
+        ends = np.cumsum([len(r.token_ids) for r in batch])
+        logits_indices = ends[position[[i for i, r in enumerate(scheduled) if r.samples]]] - 1
         return StepInputs(
-            input_ids=torch.from_numpy(input_ids).to(device),
-            positions=torch.from_numpy(positions).to(device),
-            attn_metadata=meta,
-            logits_indices=torch.from_numpy(logits_indices).to(device),
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=flat.positions,
+            attn_metadata=flat.attn_metadata,
+            logits_indices=torch.from_numpy(logits_indices).to(self.device),
+            requests=batch,
         )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Runs the forward on the two kinds of step that get their own compiled graph: one
+        token, and several requests with a decode and a prompt chunk. Writes only into block 0,
+        which holds nothing yet."""
+        for query_lens in ([1], [1, 2]):
+            flat = build_flat_batch(query_lens, [0] * len(query_lens), [[0]] * len(query_lens),
+                                    self.kv_spec.block_size, self.device)
+            input_ids = torch.zeros(flat.attn_metadata.num_tokens, dtype=torch.int64, device=self.device)
+            self._forward(input_ids, flat.positions, flat.attn_metadata)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if not self.compiled:
+            return self.model(input_ids, positions, self.kv_caches, meta, self.attention)
+        with symbolic_sizes():
+            return self.model(input_ids, positions, self.kv_caches, meta, self.attention)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], device=self.device)

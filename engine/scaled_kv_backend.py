@@ -33,8 +33,9 @@ class ScaledKVBackend:
                                   k_scale=self.k_scale, v_scale=self.v_scale)
 
     def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                        *, max_query_len=None, max_seq_len=None) -> torch.Tensor:
+                        *, max_query_len=None, max_seq_len=None, num_decodes=None) -> torch.Tensor:
         return self.inner.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )

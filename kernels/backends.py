@@ -2,6 +2,8 @@
 
 The engine holds one backend object and calls `write_kv_cache` / `paged_attention` on it every
 layer; which one it holds is decided once, from the device and the `--attention-backend` option.
+Both call the kernels through their custom ops (custom_ops.py), so a compiled forward keeps one
+graph around them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from kvserve.kernels import torch_attention
+from kvserve.kernels import custom_ops
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -45,27 +47,31 @@ class AttentionBackend(Protocol):
         *,
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
+        num_decodes: int | None = None,
         k_scale: float | None = None,
         v_scale: float | None = None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """`num_decodes`, when given, says that requests [0, num_decodes) are single-query
+        decodes in query rows [0, num_decodes) and the rest are prompt chunks."""
+        ...
 
 
 @dataclass(frozen=True)
 class TorchAttentionBackend:
-    """Plain torch: the CPU path. Validates every call's metadata (cheap on CPU)."""
+    """Plain torch: the CPU path."""
 
     name: str = "torch"
 
     def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-        torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        custom_ops.torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def paged_attention(
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        *, max_query_len=None, max_seq_len=None, k_scale=None, v_scale=None,
+        *, max_query_len=None, max_seq_len=None, num_decodes=None, k_scale=None, v_scale=None,
     ) -> torch.Tensor:
-        return torch_attention.paged_attention(
+        return custom_ops.torch_paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
+            max_query_len, max_seq_len, num_decodes, k_scale, v_scale,
         )
 
 
@@ -78,21 +84,15 @@ class TritonAttentionBackend:
     name: str = "triton"
 
     def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-        # Imported here so that machines without triton can still use the torch backend.
-        from kvserve.kernels.triton_kv_write import triton_write_kv_cache
-
-        triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, check_slots=self.debug)
+        custom_ops.triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, self.debug)
 
     def paged_attention(
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        *, max_query_len=None, max_seq_len=None, k_scale=None, v_scale=None,
+        *, max_query_len=None, max_seq_len=None, num_decodes=None, k_scale=None, v_scale=None,
     ) -> torch.Tensor:
-        from kvserve.kernels.triton_attention import triton_paged_attention
-
-        return triton_paged_attention(
+        return custom_ops.triton_paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
-            check_block_tables=self.debug,
+            max_query_len, max_seq_len, num_decodes, k_scale, v_scale, self.debug,
         )
 
 

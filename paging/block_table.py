@@ -1,7 +1,7 @@
 """One request's page table: logical block i -> physical block id.
 
-A token at position p lives in block `block_ids[p // block_size]`, row `p % block_size`; its slot
-(the flat index the KV-cache write kernel takes) is `block_id * block_size + p % block_size`.
+A token at position p lives in block `block_ids[p // block_size]`, row `p % block_size` (the
+engine turns positions into cache slots for a whole step at once: engine/attention_metadata.py).
 
     positions   0 ........ 15 | 16 ....... 31 | 32 .. 36
     logical     block 0       | block 1       | block 2  (rows 5..15 unused: the only waste)
@@ -77,14 +77,3 @@ class BlockTable:
                 f"blocks but the table has {len(self._block_ids)}: append blocks first (num_new_blocks_needed)"
             )
         self.num_tokens += num_tokens
-
-    def slot(self, position: int) -> int:
-        """The flat KV-cache slot of a position."""
-        if not 0 <= position < self.capacity:
-            raise IndexError(f"position {position} is outside the table's {self.capacity} slots")
-        block_index, offset = divmod(position, self.block_size)
-        return self._block_ids[block_index] * self.block_size + offset
-
-    def slot_mapping(self, start: int, end: int) -> list[int]:
-        """Slots of positions [start, end), in order (what the runner writes K/V into)."""
-        return [self.slot(position) for position in range(start, end)]

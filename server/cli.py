@@ -96,6 +96,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         model.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=defaults.tensor_parallel_size,
                            help="processes that split each layer (Megatron-style): heads and KV cache divided "
                                 "among them; must divide the model's attention and KV heads"),
+        model.add_argument("--enforce-eager", action=flag, default=defaults.enforce_eager,
+                           help="run the model eagerly instead of compiling it with torch.compile at start-up "
+                                "(compiled artifacts are cached under $KVSERVE_CACHE, default ~/.cache/kvserve)"),
         model.add_argument("--seed", type=_non_negative_int, default=defaults.seed,
                            help="seed for requests that do not give one"),
         cache.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=defaults.block_size,
@@ -192,7 +195,7 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
             long_prefill_token_threshold=args.long_prefill_token_threshold, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-            seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads,
+            enforce_eager=args.enforce_eager, seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads,
             tensor_parallel_size=args.tensor_parallel_size)
         limits = ServerLimits(
             max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,

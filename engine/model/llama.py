@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kvserve.kernels import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache): [num_blocks, Hkv, block_size, D]
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin): [T, 1, D]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin): [T, D]
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         attention.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = attention.paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes,
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 

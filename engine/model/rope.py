@@ -80,11 +80,13 @@ class RotaryEmbedding(torch.nn.Module):
         return torch.outer(pos, self.inv_freq.float())
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for the tokens at `positions`: computed once per forward, shared by all layers."""
+        """cos, sin [T, D] for the tokens at `positions`: computed once per forward, shared by all layers."""
         freqs = self._freqs(positions)
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # broadcast over heads
+        emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, Hkv, D]; cos, sin [T, D], broadcast over heads."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.engine.attention_metadata import AttentionMetadata
+from kvserve.engine.attention_metadata import build_flat_batch
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_loader import load_model
@@ -52,17 +52,15 @@ class PagedDriver:
     def step(self, seqs: list[PagedSequence], num_new: list[int]) -> list[torch.Tensor]:
         """Compute the next num_new[i] tokens of each sequence in one flattened forward;
         returns each sequence's float32 logits for those tokens ([num_new[i], vocab])."""
-        ids, positions = [], []
+        ids = []
         for seq, n in zip(seqs, num_new, strict=True):
             end = seq.num_computed + n
             while len(seq.block_ids) * BLOCK_SIZE < end:
                 seq.block_ids.append(self.free_blocks.pop())
             ids += seq.token_ids[seq.num_computed:end]
-            positions += range(seq.num_computed, end)
-        meta = AttentionMetadata.build(num_new, [s.num_computed + n for s, n in zip(seqs, num_new)],
-                                       [s.block_ids for s in seqs], BLOCK_SIZE)
+        flat = build_flat_batch(num_new, [s.num_computed for s in seqs], [s.block_ids for s in seqs], BLOCK_SIZE)
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta, self.attention)
+            hidden = self.model(torch.tensor(ids), flat.positions, self.kv_caches, flat.attn_metadata, self.attention)
             logits = self.model.compute_logits(hidden)
         for seq, n in zip(seqs, num_new):
             seq.num_computed += n

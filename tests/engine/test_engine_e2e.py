@@ -1,6 +1,7 @@
 """End to end with SmolLM2 in float32: kvserve's greedy outputs equal transformers' generate for
 16 prompts of mixed lengths submitted together, under every scheduling regime that changes how
-the KV cache is filled (issue 5)."""
+the KV cache is filled (issue 5), with the compiled forward and with --enforce-eager (issue 12).
+The layers compile once per process; later engines reuse the compiled graphs."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def default_llm() -> LLM:
     return LLM(dtype="float32")
 
 
+@pytest.fixture(params=[False, True], ids=["compiled", "eager"])
+def enforce_eager(request) -> bool:
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def prompt_ids(default_llm: LLM) -> list[list[int]]:
     tokenizer = default_llm.get_tokenizer()
@@ -64,22 +70,29 @@ def assert_matches_transformers(llm: LLM, prompt_ids, references) -> None:
 
 
 def test_default_settings_match_transformers(default_llm, prompt_ids, references):
+    assert default_llm.engine.model_runner.compiled, "the default on CPU is the compiled forward"
     assert_matches_transformers(default_llm, prompt_ids, references)
 
 
-def test_preemption_under_a_tiny_kv_pool_matches_transformers(prompt_ids, references):
-    llm = LLM(dtype="float32", num_kv_blocks=24, max_model_len=256)
+def test_enforce_eager_matches_transformers(prompt_ids, references):
+    llm = LLM(dtype="float32", enforce_eager=True)
+    assert not llm.engine.model_runner.compiled
+    assert_matches_transformers(llm, prompt_ids, references)
+
+
+def test_preemption_under_a_tiny_kv_pool_matches_transformers(prompt_ids, references, enforce_eager):
+    llm = LLM(dtype="float32", num_kv_blocks=24, max_model_len=256, enforce_eager=enforce_eager)
     assert_matches_transformers(llm, prompt_ids, references)
     assert llm.engine.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
 
 
-def test_sixteen_token_prefill_chunks_match_transformers(prompt_ids, references):
-    llm = LLM(dtype="float32", max_num_batched_tokens=16)
+def test_sixteen_token_prefill_chunks_match_transformers(prompt_ids, references, enforce_eager):
+    llm = LLM(dtype="float32", max_num_batched_tokens=16, enforce_eager=enforce_eager)
     assert_matches_transformers(llm, prompt_ids, references)
 
 
-def test_prefix_caching_hits_and_matches_transformers(prompt_ids, references):
-    llm = LLM(dtype="float32", enable_prefix_caching=True)
+def test_prefix_caching_hits_and_matches_transformers(prompt_ids, references, enforce_eager):
+    llm = LLM(dtype="float32", enable_prefix_caching=True, enforce_eager=enforce_eager)
     # The first shared-prefix prompt fills the cache; the rest of the batch then reuses its blocks.
     llm.generate([prompt_ids[12]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     assert_matches_transformers(llm, prompt_ids, references)

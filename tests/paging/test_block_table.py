@@ -3,17 +3,6 @@ import pytest
 from kvserve.paging import BlockTable
 
 
-def test_slot_is_block_id_times_block_size_plus_offset():
-    table = BlockTable(16, [7, 2, 9], num_tokens=37)
-    assert table.slot(0) == 7 * 16
-    assert table.slot(15) == 7 * 16 + 15
-    assert table.slot(16) == 2 * 16
-    assert table.slot(36) == 9 * 16 + 4
-    assert table.slot_mapping(14, 18) == [126, 127, 32, 33]
-    with pytest.raises(IndexError):
-        table.slot(48)
-
-
 @pytest.mark.parametrize(("num_tokens", "more", "needed"), [(0, 0, 0), (0, 1, 1), (15, 1, 0), (16, 1, 1), (17, 15, 0), (17, 16, 1), (0, 33, 3)])
 def test_new_blocks_needed_at_block_boundaries(num_tokens, more, needed):
     table = BlockTable(16, range(-(-num_tokens // 16)), num_tokens)

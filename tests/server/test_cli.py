@@ -62,6 +62,13 @@ def test_scheduling_flags_reach_the_engine_config() -> None:
     assert (engine.scheduling_policy, engine.long_prefill_token_threshold) == ("fcfs", 0)
 
 
+def test_enforce_eager_from_flag_or_environment() -> None:
+    assert configs([])[0].enforce_eager is False
+    assert configs(["--enforce-eager"])[0].enforce_eager is True
+    assert configs([], {"KVSERVE_ENFORCE_EAGER": "true"})[0].enforce_eager is True
+    assert configs(["--no-enforce-eager"], {"KVSERVE_ENFORCE_EAGER": "1"})[0].enforce_eager is False
+
+
 def test_every_serve_option_has_an_environment_variable() -> None:
     from kvserve.server.cli import env_name
 
@@ -92,6 +99,7 @@ def test_every_serve_option_has_an_environment_variable() -> None:
     ([], {"KVSERVE_CPU_THREADS": "0"}, "KVSERVE_CPU_THREADS"),
     (["--scheduling-policy", "lifo"], {}, "--scheduling-policy"),
     (["--long-prefill-token-threshold", "-1"], {}, "--long-prefill-token-threshold"),
+    ([], {"KVSERVE_ENFORCE_EAGER": "sometimes"}, "KVSERVE_ENFORCE_EAGER"),
 ])
 def test_bad_values_exit_2_with_a_message(argv, env, needle, capsys, monkeypatch) -> None:
     for name, value in env.items():

@@ -1,0 +1,82 @@
+"""The attention kernels as torch.library custom ops, so that torch.compile keeps each call as one
+opaque node in its graph instead of breaking the graph around it (the torch kernel reads lengths
+on the host; the Triton one launches programs). Eager callers use the same ops.
+
+Each op has a fake implementation that only states the output's shape, which is all the
+compiler needs. Host-side ints (max_query_len, max_seq_len, num_decodes) are plain op arguments;
+the compile wrapper keeps them symbolic so that a new value never means a new graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels import torch_attention
+
+
+# Registration is process-wide by nature (torch's operator registry); this module does it once,
+# on import. Library.define/impl rather than @custom_op: the latter's per-call checks cost ~20 us,
+# and a forward makes two calls per layer.
+_LIBRARY = torch.library.Library("kvserve", "FRAGMENT")
+_WRITE_ARGS = "Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, float? k_scale, float? v_scale"
+_ATTENTION_ARGS = ("Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+                   "Tensor query_start_loc, float scale, SymInt? max_query_len, SymInt? max_seq_len, "
+                   "SymInt? num_decodes, float? k_scale, float? v_scale")
+
+
+def _torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def _triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, check_slots) -> None:
+    # Imported here so that machines without triton can still use the torch ops.
+    from kvserve.kernels.triton_kv_write import triton_write_kv_cache as write
+
+    write(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, check_slots=check_slots)
+
+
+def _torch_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                          max_query_len, max_seq_len, num_decodes, k_scale, v_scale) -> torch.Tensor:
+    # num_decodes is part of the contract; the torch kernel finds the split itself until it reads it.
+    return torch_attention.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
+    )
+
+
+def _triton_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                           max_query_len, max_seq_len, num_decodes, k_scale, v_scale, check_block_tables) -> torch.Tensor:
+    from kvserve.kernels.triton_attention import triton_paged_attention as attend
+
+    # The Triton kernel plans its launch from shapes alone; it does not need num_decodes.
+    return attend(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
+        check_block_tables=check_block_tables,
+    )
+
+
+def _fake_write(*args) -> None:
+    return None
+
+
+def _fake_attention(query: torch.Tensor, *args) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+for _name, _schema, _impl, _fake in (
+    ("torch_write_kv_cache", f"({_WRITE_ARGS}) -> ()", _torch_write_kv_cache, _fake_write),
+    ("triton_write_kv_cache", f"({_WRITE_ARGS}, bool check_slots) -> ()", _triton_write_kv_cache, _fake_write),
+    ("torch_paged_attention", f"({_ATTENTION_ARGS}) -> Tensor", _torch_paged_attention, _fake_attention),
+    ("triton_paged_attention", f"({_ATTENTION_ARGS}, bool check_block_tables) -> Tensor", _triton_paged_attention, _fake_attention),
+):
+    _LIBRARY.define(_name + _schema)
+    _LIBRARY.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kvserve::{_name}", _fake, lib=_LIBRARY)
+
+
+# What the backends call: eager, each runs its kernel; under torch.compile, each is one graph node.
+torch_write_kv_cache = torch.ops.kvserve.torch_write_kv_cache.default
+triton_write_kv_cache = torch.ops.kvserve.triton_write_kv_cache.default
+torch_paged_attention = torch.ops.kvserve.torch_paged_attention.default
+triton_paged_attention = torch.ops.kvserve.triton_paged_attention.default
