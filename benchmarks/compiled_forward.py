@@ -29,7 +29,7 @@ BLOCK_SIZE = 16
 def make_runner(model_name: str, dtype: torch.dtype, num_blocks: int, compiled: bool) -> ModelRunner:
     config, model = load_model(resolve_model(model_name), dtype, torch.device("cpu"))
     runner = ModelRunner(model, config, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype), TorchAttentionBackend(),
-                         torch.device("cpu"), eos_token_id=None, compiled=compiled)
+                         torch.device("cpu"), eos_token_ids=(), compiled=compiled)
     runner.warm_up()
     return runner
 

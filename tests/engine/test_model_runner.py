@@ -32,7 +32,7 @@ def tiny_runner(compiled: bool) -> ModelRunner:
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     return ModelRunner(model.eval(), CONFIG, KVCacheSpec(num_blocks=32, block_size=BLOCK, dtype=torch.float32),
-                       TorchAttentionBackend(), torch.device("cpu"), eos_token_id=None, compiled=compiled)
+                       TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
 
 @dataclass
@@ -43,11 +43,13 @@ class Seq:
     computed: int = 0
     outputs: list[int] = field(default_factory=list)
 
+    params: SamplingParams = GREEDY
+
     def schedule(self, n: int) -> ScheduledRequest:
         samples = self.computed + n == len(self.tokens)
         return ScheduledRequest(request_id=self.request_id, token_ids=self.tokens[self.computed:self.computed + n],
                                 num_computed_tokens=self.computed, block_ids=self.blocks, samples=samples,
-                                sampling_params=GREEDY, seed=0, prompt_token_ids=self.tokens,
+                                sampling_params=self.params, seed=0, prompt_token_ids=self.tokens,
                                 output_token_ids=self.outputs)
 
 
@@ -65,6 +67,21 @@ def test_decodes_go_first_and_sampled_rows_map_back_to_their_requests():
     assert meta.slot_mapping.tolist() == [7 * BLOCK + 3, 4 * BLOCK + 1, 20, 21, 22, 23, 4, 8 + 2, 8 + 3, 9 * BLOCK]
     # Sampling requests in the scheduler's order: b, c, d -> their last rows 0, 9, 1.
     assert inputs.logits_indices.tolist() == [0, 9, 1]
+
+
+def test_prompt_logprobs_follow_their_rows_when_decodes_move_first():
+    scoring = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    alone = tiny_runner(compiled=False).execute(SchedulerOutput([Seq("p", [9, 8, 7, 6, 5], [3, 4], params=scoring).schedule(4)]))
+    runner = tiny_runner(compiled=False)
+    decode = Seq("d", [11, 12, 13], [0])
+    runner.execute(SchedulerOutput([decode.schedule(3)]))
+    decode.computed = 3
+    decode.tokens.append(14)
+    # The chunk comes first in the scheduler's order; the runner moves the decode ahead of it.
+    mixed = runner.execute(SchedulerOutput([Seq("p", [9, 8, 7, 6, 5], [3, 4], params=scoring).schedule(4),
+                                            decode.schedule(1)]))
+    assert mixed.prompt_logprobs.keys() == {"p"}
+    assert mixed.prompt_logprobs["p"] == alone.prompt_logprobs["p"]
 
 
 def run_steps(runner: ModelRunner, plan: list[list[tuple[int, int]]], seqs: list[Seq]) -> list[list[int]]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.attention_metadata import AttentionMetadata
+from kvserve.engine.attention_metadata import build_flat_batch
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model
@@ -96,9 +96,9 @@ def _tiny_model(intermediate: int = 96) -> tuple[ModelConfig, LlamaForCausalLM]:
 def _logits(model: LlamaForCausalLM, config: ModelConfig, ids: list[int]) -> torch.Tensor:
     shape = (4, config.num_kv_heads, 16, config.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0, 1, 2, 3]], 16)
+    flat = build_flat_batch([len(ids)], [0], [[0, 1, 2, 3]], 16)
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta, TorchAttentionBackend())
+        hidden = model(torch.tensor(ids), flat.positions, caches, flat.attn_metadata, TorchAttentionBackend())
         return model.compute_logits(hidden)
 
 
