@@ -58,12 +58,15 @@ class AttentionBackend(Protocol):
 
 @dataclass(frozen=True)
 class TorchAttentionBackend:
-    """Plain torch: the CPU path."""
+    """The CPU path (the C++ kernel where it builds, plain torch otherwise). `validate=False`
+    skips the per-call checks of the metadata's values: the engine builds and checks its
+    metadata once per step, so its layers need not re-read it 2 x 30 times."""
 
+    validate: bool = True
     name: str = "torch"
 
     def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-        custom_ops.torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        custom_ops.torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, self.validate)
 
     def paged_attention(
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -71,7 +74,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         return custom_ops.torch_paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len, max_seq_len, num_decodes, k_scale, v_scale,
+            max_query_len, max_seq_len, num_decodes, k_scale, v_scale, self.validate,
         )
 
 
@@ -97,7 +100,8 @@ class TritonAttentionBackend:
 
 
 def select_attention_backend(name: str, device: torch.device, *, debug: bool = False) -> AttentionBackend:
-    """"auto": Triton on CUDA, torch elsewhere; "torch" / "triton" force one."""
+    """"auto": Triton on CUDA, torch elsewhere; "torch" / "triton" force one. `debug` checks
+    every call's metadata values (the engine builds its metadata checked, once per step)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     device = torch.device(device)
@@ -105,7 +109,7 @@ def select_attention_backend(name: str, device: torch.device, *, debug: bool = F
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_installed else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(validate=debug)
     if not triton_installed:
         raise RuntimeError("the triton attention backend needs the `triton` package: pip install triton, or use --attention-backend torch")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

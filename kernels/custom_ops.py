@@ -24,8 +24,9 @@ _ATTENTION_ARGS = ("Tensor query, Tensor key_cache, Tensor value_cache, Tensor b
                    "SymInt? num_decodes, float? k_scale, float? v_scale")
 
 
-def _torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
-    torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+def _torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, validate) -> None:
+    torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                                   validate=validate)
 
 
 def _triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, check_slots) -> None:
@@ -36,11 +37,11 @@ def _triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_s
 
 
 def _torch_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                          max_query_len, max_seq_len, num_decodes, k_scale, v_scale) -> torch.Tensor:
-    # num_decodes is part of the contract; the torch kernel finds the split itself until it reads it.
+                           max_query_len, max_seq_len, num_decodes, k_scale, v_scale, validate) -> torch.Tensor:
     return torch_attention.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes, k_scale=k_scale,
+        v_scale=v_scale, validate=validate,
     )
 
 
@@ -48,11 +49,10 @@ def _triton_paged_attention(query, key_cache, value_cache, block_tables, seq_len
                            max_query_len, max_seq_len, num_decodes, k_scale, v_scale, check_block_tables) -> torch.Tensor:
     from kvserve.kernels.triton_attention import triton_paged_attention as attend
 
-    # The Triton kernel plans its launch from shapes alone; it does not need num_decodes.
     return attend(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
-        check_block_tables=check_block_tables,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes, k_scale=k_scale,
+        v_scale=v_scale, check_block_tables=check_block_tables,
     )
 
 
@@ -65,9 +65,9 @@ def _fake_attention(query: torch.Tensor, *args) -> torch.Tensor:
 
 
 for _name, _schema, _impl, _fake in (
-    ("torch_write_kv_cache", f"({_WRITE_ARGS}) -> ()", _torch_write_kv_cache, _fake_write),
+    ("torch_write_kv_cache", f"({_WRITE_ARGS}, bool validate) -> ()", _torch_write_kv_cache, _fake_write),
     ("triton_write_kv_cache", f"({_WRITE_ARGS}, bool check_slots) -> ()", _triton_write_kv_cache, _fake_write),
-    ("torch_paged_attention", f"({_ATTENTION_ARGS}) -> Tensor", _torch_paged_attention, _fake_attention),
+    ("torch_paged_attention", f"({_ATTENTION_ARGS}, bool validate) -> Tensor", _torch_paged_attention, _fake_attention),
     ("triton_paged_attention", f"({_ATTENTION_ARGS}, bool check_block_tables) -> Tensor", _triton_paged_attention, _fake_attention),
 ):
     _LIBRARY.define(_name + _schema)

@@ -10,7 +10,8 @@ from tests.kernels.paged_batch import MIXED_QUERY_LENS, MIXED_SEQ_LENS, TOLERANC
 
 
 def test_auto_picks_torch_on_cpu() -> None:
-    assert select_attention_backend("auto", torch.device("cpu")) == TorchAttentionBackend()
+    assert select_attention_backend("auto", torch.device("cpu")) == TorchAttentionBackend(validate=False)
+    assert select_attention_backend("torch", torch.device("cpu"), debug=True) == TorchAttentionBackend(validate=True)
 
 
 @pytest.mark.gpu
