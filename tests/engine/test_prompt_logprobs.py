@@ -32,8 +32,9 @@ def reference(tiny_dir) -> list[torch.Tensor]:
 
 # fp32 rounding, amplified by the tiny model's large weights: kvserve's CPU attention kernel sums in
 # another order than transformers' SDPA (it is closer to a float64 reference than either), which
-# moves logprobs of magnitude ~4 by up to ~1.2e-4.
-TOLERANCE = dict(abs=1e-4, rel=1e-4)
+# moves logprobs of magnitude ~4 by up to ~1.2e-4; the compiled forward (inductor's own order for
+# RMSNorm and the fused element-wise ops) adds about as much again (~3.5e-4 at -3.2).
+TOLERANCE = dict(abs=1e-4, rel=2e-4)
 
 
 def assert_matches(prompt: list[int], scored: list[TokenLogprobs | None], logprobs: torch.Tensor, top: int) -> None:
