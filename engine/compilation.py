@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from kvserve.engine.model.llama import LlamaForCausalLM
 
@@ -63,8 +64,12 @@ def compile_at_start_up(warm_up: Callable[[], None]) -> None:
     (FX graphs, AOT autograd, C++ kernels) under the kvserve cache unless TORCHINDUCTOR_CACHE_DIR
     says otherwise. Inductor keys its entries by graph, torch version and settings, so a second
     start with the same model, dtype and kernels only re-traces (seconds)."""
-    # Inductor reads this variable whenever it opens its cache; it is its only setting for it.
-    cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(kvserve_cache_dir() / "inductor"))
+    # Inductor reads this variable whenever it opens its cache (its only setting for it), and
+    # writes its /tmp default there on first use (the C++ kernel build may have done so already):
+    # only a value the user chose is kept.
+    cache = os.environ.get(INDUCTOR_CACHE_ENV)
+    if cache is None or cache == os.path.abspath(default_cache_dir()):
+        cache = os.environ[INDUCTOR_CACHE_ENV] = str(kvserve_cache_dir() / "inductor")
     logger.info("compiling the forward with torch.compile (cache: %s; --enforce-eager skips this)", cache)
     start = time.perf_counter()
     warm_up()
