@@ -19,7 +19,7 @@ import torch
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model.model_source import resolve_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
-from kvserve.kernels import TorchAttentionBackend
+from kvserve.kernels import select_attention_backend
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -28,7 +28,8 @@ BLOCK_SIZE = 16
 
 def make_runner(model_name: str, dtype: torch.dtype, num_blocks: int, compiled: bool) -> ModelRunner:
     config, model = load_model(resolve_model(model_name), dtype, torch.device("cpu"))
-    runner = ModelRunner(model, config, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype), TorchAttentionBackend(),
+    runner = ModelRunner(model, config, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype),
+                         select_attention_backend("torch", torch.device("cpu")),
                          torch.device("cpu"), eos_token_ids=(), compiled=compiled)
     runner.warm_up()
     return runner
