@@ -39,6 +39,9 @@ def _workload(seed: int) -> list[str]:
     dataset = PrefixDataset(prefix_len=PREFIX_WORDS, suffix_len=8, output_len=2, num_prefixes=NUM_PREFIXES)
     return [str(request.prompt) for request in dataset.sample(NUM_PREFIXES * REQUESTS_PER_PREFIX, seed)]
 
+# Health-check intervals (1 s each, see gateway_harness) allowed for the gateway to drop a dead worker.
+HEALTH_SETTLE_S = 4.0
+
 
 def _complete(gateway_url: str, prompt: str, max_tokens: int = 2) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -92,5 +95,10 @@ def test_cache_aware_routing_keeps_prefixes_together_and_survives_a_dead_replica
             assert cache_aware_ratio > round_robin_ratio + 0.2, (cache_aware_ratio, round_robin_ratio)
 
             replicas[0].kill()
+            # Until its next health check (every second; one failure marks a worker down) the
+            # gateway still routes the dead replica's prefixes to it, and retries go to the same
+            # worker: those requests fail, as behind any health-checked balancer. Give the checker
+            # a few intervals, then every request must succeed on the surviving replica.
+            time.sleep(HEALTH_SETTLE_S)
             for prompt in _workload(seed=3):
                 _complete(url, prompt)
