@@ -75,18 +75,21 @@ def gateway(tmp_path: Path, worker_urls: Sequence[str], policy: str) -> Iterator
             "--health-failure-threshold", "1", "--log-level", "warn"]
     with background_process(argv, tmp_path / f"gateway-{policy}.log", f"{url}/readiness",
                             startup_timeout_s=60) as running:
-        _wait_until_workers_healthy(url, len(worker_urls), running)
+        wait_until_workers_healthy(url, len(worker_urls), running)
         yield url
 
 
-def _wait_until_workers_healthy(url: str, count: int, running: BackgroundProcess, timeout_s: float = 60) -> None:
+def wait_until_workers_healthy(url: str, count: int, running: BackgroundProcess | None = None,
+                               timeout_s: float = 60) -> None:
+    """Until the gateway at `url` lists exactly `count` healthy workers (its own health checks)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         workers = httpx.get(f"{url}/workers", timeout=5, trust_env=False).json()["workers"]
         if sum(1 for worker in workers if worker["is_healthy"]) == count:
             return
         time.sleep(0.25)
-    raise AssertionError(f"gateway did not report {count} healthy workers:\n{running.log_tail()}")
+    log = f":\n{running.log_tail()}" if running is not None else ""
+    raise AssertionError(f"gateway did not report {count} healthy workers{log}")
 
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)$")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvserve.loadtest.datasets import PrefixDataset
-from tests.router.gateway_harness import Replica, gateway, gateway_binary, kvserve_replicas
+from tests.router.gateway_harness import Replica, gateway, gateway_binary, kvserve_replicas, wait_until_workers_healthy
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,9 +38,6 @@ REQUESTS_PER_PREFIX = 3
 def _workload(seed: int) -> list[str]:
     dataset = PrefixDataset(prefix_len=PREFIX_WORDS, suffix_len=8, output_len=2, num_prefixes=NUM_PREFIXES)
     return [str(request.prompt) for request in dataset.sample(NUM_PREFIXES * REQUESTS_PER_PREFIX, seed)]
-
-# Health-check intervals (1 s each, see gateway_harness) allowed for the gateway to drop a dead worker.
-HEALTH_SETTLE_S = 4.0
 
 
 def _complete(gateway_url: str, prompt: str, max_tokens: int = 2) -> httpx.Response:
@@ -97,8 +94,8 @@ def test_cache_aware_routing_keeps_prefixes_together_and_survives_a_dead_replica
             replicas[0].kill()
             # Until its next health check (every second; one failure marks a worker down) the
             # gateway still routes the dead replica's prefixes to it, and retries go to the same
-            # worker: those requests fail, as behind any health-checked balancer. Give the checker
-            # a few intervals, then every request must succeed on the surviving replica.
-            time.sleep(HEALTH_SETTLE_S)
+            # worker: those requests fail, as behind any health-checked balancer. Once the gateway
+            # lists the dead replica as unhealthy, every request must succeed on the survivor.
+            wait_until_workers_healthy(url, 1)
             for prompt in _workload(seed=3):
                 _complete(url, prompt)
