@@ -92,7 +92,10 @@ def test_run_stops_at_the_duration_cap_and_accounts_for_every_request(fake_serve
     assert elapsed < 6
     assert 1 <= len(result.records) < 40 and result.not_sent > 0
     assert len(result.records) + result.cancelled + result.not_sent == 40
-    assert len(server.bodies) == len(result.records) + result.cancelled
+    # A request cancelled at the cap may have left the client before or after its bytes did, so
+    # the server saw every finished request and at most every cancelled one, never a request
+    # counted as not sent.
+    assert len(result.records) <= len(server.bodies) <= len(result.records) + result.cancelled
 
 
 def test_requests_in_flight_at_the_cap_are_cancelled_and_counted(fake_server) -> None:
@@ -105,14 +108,16 @@ def test_requests_in_flight_at_the_cap_are_cancelled_and_counted(fake_server) ->
 
 
 def test_poisson_run_sends_at_the_requested_rate(fake_server) -> None:
-    # The schedule is seeded, so the expected span is known exactly; the run may only be later.
+    # The schedule is seeded, so the expected span is known exactly. Every send may only be late,
+    # the first one included, so the span from the first send to the last may come out short by
+    # the first send's lateness (CI measured 0.2 ms) or long by the last one's.
     rate, n = 20.0, 20
     requests = [BenchRequest(prompt="x", prompt_len=1, output_len=1)] * n
     with fake_server() as server:
         result = run(endpoint_for(server), requests, arrivals=ArrivalProcess(request_rate=rate), seed=5)
     starts = np.sort([r.start_s for r in result.records])
     planned = ArrivalProcess(request_rate=rate).offsets(n, seed=5)
-    assert planned[-1] <= starts[-1] - starts[0] <= planned[-1] + SLACK_S * 2
+    assert planned[-1] - SLACK_S <= starts[-1] - starts[0] <= planned[-1] + SLACK_S * 2
 
 
 def test_a_failing_warm_up_stops_the_run_with_the_reason(fake_server) -> None:
