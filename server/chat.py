@@ -22,7 +22,8 @@ from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
 from kvserve.server.responder import Choice, read_generation_request, respond
 from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
-from kvserve.server.tool_calls import ToolMode, template_tools, tool_calls_from_output, tool_mode
+from kvserve.server.tool_calls import FunctionCall, ToolCall, ToolMode, parse_message, template_tools, tool_mode
+from kvserve.server.tool_parsers import ToolCallStream, new_call_id
 
 
 def chat_router(state: ServingState) -> APIRouter:
@@ -38,8 +39,8 @@ def chat_router(state: ServingState) -> APIRouter:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         base = build_sampling_params(body, max_tokens=requested, logprobs=top_logprobs,
                                      logprobs_param="top_logprobs", limits=limits)
-        tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
-        if tools is not None:
+        tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.auto_tool_parser)
+        if tools is not None and tools.constraint is not None:
             if base.structured_output is not None:
                 raise bad_request("A forced tool call cannot be combined with another output constraint.",
                                   base.structured_output.param)
@@ -81,7 +82,7 @@ class _ChatFormatter:
                  created: int, model: str, tools: ToolMode | None) -> None:
         self.n = n
         self.tools = tools
-        self._tool_text: dict[int, list[str]] = {}  # per streamed choice, while a forced call is generated
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice
         self.top_logprobs = top_logprobs
         self.tokenizer = tokenizer
         self.header = {"id": response_id, "created": created, "model": model}
@@ -93,32 +94,36 @@ class _ChatFormatter:
         return [self._chunk([ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})])
                 for index in range(self.n)]
 
-    def chunk(self, choice: Choice) -> BaseModel:
+    def chunks(self, choice: Choice) -> list[BaseModel]:
         delta = choice.output
         if self.tools is not None:
-            return self._tool_chunk(choice)
-        return self._chunk([ChatChunkChoice(index=choice.index, delta={"content": delta.text} if delta.text else {},
-                                            logprobs=self._logprobs(delta), finish_reason=delta.finish_reason,
-                                            stop_reason=delta.stop_reason)])
+            return self._tool_chunks(choice, self.tools)
+        return [self._chunk([ChatChunkChoice(index=choice.index, delta={"content": delta.text} if delta.text else {},
+                                             logprobs=self._logprobs(delta), finish_reason=delta.finish_reason,
+                                             stop_reason=delta.stop_reason)])]
 
-    def _tool_chunk(self, choice: Choice) -> BaseModel:
-        """A forced call streams as OpenAI's tool-call deltas once its JSON is complete: each
-        call's id and name, then its arguments (one fragment each)."""
-        delta = choice.output
-        pieces = self._tool_text.setdefault(choice.index, [])
-        pieces.append(delta.text)
-        if not delta.finished:
-            return self._chunk([ChatChunkChoice(index=choice.index, delta={}, logprobs=self._logprobs(delta))])
-        text = "".join(self._tool_text.pop(choice.index))
-        calls = tool_calls_from_output(self.tools, text) if delta.finish_reason == "stop" else None
-        if calls is None:
-            return self._chunk([ChatChunkChoice(index=choice.index, delta={"content": text}, logprobs=self._logprobs(delta),
-                                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
-        tool_deltas = [{"index": i, "id": call.id, "type": "function",
-                        "function": {"name": call.function.name, "arguments": call.function.arguments}}
-                       for i, call in enumerate(calls)]
-        return self._chunk([ChatChunkChoice(index=choice.index, delta={"tool_calls": tool_deltas},
-                                            logprobs=self._logprobs(delta), finish_reason="tool_calls")])
+    def _tool_chunks(self, choice: Choice, tools: ToolMode) -> list[BaseModel]:
+        """Content as it is decided, then per call a chunk with its id and name and chunks with
+        its argument fragments as they are generated. The delta's logprobs ride on the first
+        chunk, the finish reason on the last; a delta whose text is all held back makes a chunk
+        only when it carries one of those."""
+        output = choice.output
+        stream = self._tool_streams.setdefault(choice.index, ToolCallStream(tools.parser))
+        update = stream.feed(output.text, final=output.finished)
+        if output.finished:
+            del self._tool_streams[choice.index]
+        deltas: list[dict] = [{"content": update.content}] if update.content else []
+        deltas += [{"tool_calls": [call]} for call in update.tool_calls]
+        logprobs = self._logprobs(output)
+        if not deltas and (logprobs is not None and logprobs.content or output.finished):
+            deltas = [{}]
+        finish = "tool_calls" if update.has_calls else output.finish_reason
+        last = len(deltas) - 1
+        return [self._chunk([ChatChunkChoice(
+            index=choice.index, delta=d, logprobs=logprobs if i == 0 else None,
+            finish_reason=finish if i == last else None,
+            stop_reason=output.stop_reason if i == last and not update.has_calls else None)])
+            for i, d in enumerate(deltas)]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
@@ -128,12 +133,13 @@ class _ChatFormatter:
 
     def _choice(self, choice: Choice) -> ChatChoice:
         output = choice.output
-        calls = None
-        if self.tools is not None and output.finish_reason == "stop":
-            calls = tool_calls_from_output(self.tools, output.text)
-        if calls is not None:
-            return ChatChoice(index=choice.index, message=AssistantMessage(content=None, tool_calls=calls),
-                              logprobs=self._logprobs(output), finish_reason="tool_calls")
+        if self.tools is not None:
+            parsed = parse_message(self.tools, output.text)
+            if parsed.calls:
+                calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                         for c in parsed.calls]
+                return ChatChoice(index=choice.index, message=AssistantMessage(content=parsed.content, tool_calls=calls),
+                                  logprobs=self._logprobs(output), finish_reason="tool_calls")
         return ChatChoice(index=choice.index, message=AssistantMessage(content=output.text),
                           logprobs=self._logprobs(output), finish_reason=output.finish_reason,
                           stop_reason=output.stop_reason)

@@ -22,6 +22,7 @@ from kvserve.engine.model.model_source import resolve_model
 from kvserve.server import kv_size_command
 from kvserve.server.limits import ServerLimits
 from kvserve.server.settings import LOG_LEVELS, ServerSettings
+from kvserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 ENV_PREFIX = "KVSERVE_"
 _TRUE = ("1", "true", "yes", "on")
@@ -77,6 +78,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
     cache = p.add_argument_group("KV cache and batching")
     http = p.add_argument_group("HTTP")
     caps = p.add_argument_group("per-request caps (a single request must not exhaust the server)")
+    tools = p.add_argument_group("tool calls")
     return [
         model.add_argument("--model", default=defaults.model,
                            help=f"{DEFAULT_MODEL!r} (bundled), a .gguf file or a local Hugging Face directory"),
@@ -133,6 +135,14 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         http.add_argument("--shutdown-grace-period", type=_non_negative_float, default=server.shutdown_grace_period,
                           metavar="SECONDS", help="on SIGTERM, how long in-flight requests may take to finish"),
         http.add_argument("--log-level", choices=LOG_LEVELS, default=server.log_level, help="logging verbosity"),
+        tools.add_argument("--enable-auto-tool-choice", action=flag, default=server.enable_auto_tool_choice,
+                           help='accept tool_choice "auto" (the default when a request gives tools): the model '
+                                "decides whether to call, and its calls are parsed from its text by "
+                                "--tool-call-parser; without it such requests get a 400"),
+        tools.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
+                           help="how the model family writes a call: hermes (Hermes, Qwen: <tool_call>{...}"
+                                "</tool_call>), llama3_json (Llama 3.x: JSON, optionally after <|python_tag|>), "
+                                "mistral ([TOOL_CALLS][{...}])"),
         caps.add_argument("--max-n", type=_positive_int, default=limits.max_n, help="largest n per request"),
         caps.add_argument("--max-logprobs", type=_non_negative_int, default=limits.max_logprobs,
                           help="largest logprobs / top_logprobs"),
@@ -204,7 +214,8 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             max_logit_bias=args.max_logit_bias)
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-            shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level, limits=limits)
+            shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level, limits=limits,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     except ConfigError as error:
         parser.error(f"{error.option}: {error}")
     if args.model != DEFAULT_MODEL:  # the default is resolved (and fetched if need be) at load time

@@ -116,7 +116,7 @@ class _CompletionFormatter:
             return None
         return vllm_prompt_logprobs(choice.prompt_logprobs, self.tokenizer, self.body.prompt_logprobs)
 
-    def chunk(self, choice: Choice) -> BaseModel:
+    def chunks(self, choice: Choice) -> list[BaseModel]:
         delta = choice.output
         first = choice.index not in self._text_offset
         offset = self._text_offset.get(choice.index, 0)
@@ -126,9 +126,9 @@ class _CompletionFormatter:
         else:
             self._text_offset.setdefault(choice.index, 0)
         text = choice.job.prompt_text + delta.text if first and self.echo_with_logprobs else delta.text
-        return self._with([CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
-                                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                                            prompt_logprobs=self._prompt_logprobs(choice, first))])
+        return [self._with([CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
+                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                             prompt_logprobs=self._prompt_logprobs(choice, first))])]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._with([], usage)

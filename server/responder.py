@@ -53,8 +53,8 @@ class ResponseFormatter(Protocol):
     def opening_chunks(self) -> list[BaseModel]:
         """Chunks a stream starts with, before any generated text."""
 
-    def chunk(self, choice: Choice) -> BaseModel:
-        """One stream chunk for a completion's delta."""
+    def chunks(self, choice: Choice) -> list[BaseModel]:
+        """The stream chunks for a completion's delta (none while its text is held back)."""
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         """The stream's last chunk when the client asked for usage."""
@@ -149,10 +149,10 @@ class _Run:
                     # A token whose text is still held back (a possible stop string, a partial
                     # character) makes no chunk unless it carries logprobs.
                     if delta.text or delta.logprobs or delta.finished:
-                        chunk = self.formatter.chunk(choice)
-                        if continuous_usage:
-                            chunk = chunk.model_copy(update={"usage": self.usage_so_far()})
-                        yield sse_event(chunk)
+                        for chunk in self.formatter.chunks(choice):
+                            if continuous_usage:
+                                chunk = chunk.model_copy(update={"usage": self.usage_so_far()})
+                            yield sse_event(chunk)
         except Exception as error:  # after the first byte, an error can only be an event
             yield sse_event(error_from_engine(error, self.engine.is_dead).body())
             yield DONE_EVENT

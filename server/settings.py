@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.config import ConfigError
 from kvserve.server.limits import ServerLimits
+from kvserve.server.tool_parsers import TOOL_CALL_PARSERS, OutputParser
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -23,6 +24,9 @@ class ServerSettings:
     retry_after_s: int = 1
     log_level: str = "info"
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # tool_choice "auto": the model's calls are parsed out of its text by this family's parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a key of TOOL_CALL_PARSERS (vLLM's names)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -39,5 +43,18 @@ class ServerSettings:
                               f"--shutdown-grace-period must be >= 0 seconds, got {self.shutdown_grace_period}")
         if self.retry_after_s < 1:
             raise ConfigError("--retry-after", f"Retry-After must be at least 1 second, got {self.retry_after_s}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError("--tool-call-parser", f"--tool-call-parser must be one of "
+                              f"{', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--tool-call-parser", "--enable-auto-tool-choice needs --tool-call-parser "
+                              f"({', '.join(TOOL_CALL_PARSERS)}): the model family's way of writing a call")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def auto_tool_parser(self) -> OutputParser | None:
+        """The parser for tool_choice "auto", or None when auto tool choice is off."""
+        if not self.enable_auto_tool_choice or self.tool_call_parser is None:
+            return None
+        return TOOL_CALL_PARSERS[self.tool_call_parser]

@@ -1,19 +1,19 @@
-"""Tool calls on /v1/chat/completions when the client forces them: `tool_choice` "required" or a
-named function. The grammar engine then guarantees the output's shape, so the server only wraps
-it as OpenAI's `tool_calls`:
+"""Tool calls on /v1/chat/completions: which of OpenAI's tool_choice modes a request asks for,
+the constraint the engine enforces for it, and the parser that reads its calls back:
 
-    named function   output = the arguments object (schema: the function's parameters)
-    required         output = [{"name": ..., "parameters": {...}}, ...]  (one item unless
+    none             tools are not rendered; the answer is text
+    auto             the model decides; its calls are parsed out of its text by the family parser
+                     chosen with --tool-call-parser (needs --enable-auto-tool-choice, as vLLM)
+    required         the grammar forces [{"name": ..., "parameters": {...}}, ...] (one item unless
                      parallel_tool_calls), each item one of the tools' schemas
+    named function   the grammar forces the arguments object (schema: the function's parameters)
 
-`tool_choice` "none" renders no tools and calls none. "auto" (the model decides, parsed from its
-own format by a per-family parser) is not implemented: it gets a 400 saying so.
+tool_choice omitted with tools given means "auto", as in OpenAI's API.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,6 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine import GrammarKind, StructuredOutputParams
 from kvserve.server.errors import bad_request
+from kvserve.server.tool_parsers import OutputParser, ParsedMessage, named_call_parser, parse_required, parsed_message
+
+AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                    '(tool_choice is "auto" when tools are given without it); or use "required", a named '
+                    'function (both enforced by the grammar engine) or "none".')
 
 
 class FunctionDefinition(BaseModel):
@@ -59,15 +64,16 @@ class ToolCall(BaseModel):
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How this request calls tools: the constraint the engine enforces, and how to read the
-    output back."""
+    """How this request calls tools: the constraint the engine enforces (None for "auto"), and
+    how to read the calls back out of the output."""
 
-    constraint: StructuredOutputParams
-    named: str | None  # the forced function's name; None for "required"
+    constraint: StructuredOutputParams | None
+    parser: OutputParser
 
 
 def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None,
-              parallel_tool_calls: bool) -> ToolMode | None:
+              parallel_tool_calls: bool, auto_parser: OutputParser | None) -> ToolMode | None:
+    """`auto_parser` is the server's --tool-call-parser when auto tool choice is enabled."""
     if not tools:
         if isinstance(tool_choice, NamedToolChoice) or tool_choice == "required":
             raise bad_request("tool_choice needs tools to choose from.", "tool_choice")
@@ -75,9 +81,9 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
-        raise bad_request("tool_choice 'auto' (the default when tools are given) needs a tool-call parser, which "
-                          "this server does not have yet; use 'required' or a named function (both enforced by "
-                          "the grammar engine), or 'none'.", "tool_choice")
+        if auto_parser is None:
+            raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
+        return ToolMode(None, auto_parser)
     by_name = {tool.function.name: tool.function for tool in tools}
     if isinstance(tool_choice, NamedToolChoice):
         function = by_name.get(tool_choice.function.name)
@@ -85,33 +91,23 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
             raise bad_request(f"tool_choice names {tool_choice.function.name!r}, which is not among the tools.",
                               "tool_choice")
         schema = json.dumps(_parameters(function))
-        return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, schema, param="tools"), function.name)
+        return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, schema, param="tools"),
+                        named_call_parser(function.name))
     item = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "parameters": _parameters(f)},
                        "required": ["name", "parameters"], "additionalProperties": False}
                       for f in by_name.values()]}
     array = {"type": "array", "items": item, "minItems": 1, **({} if parallel_tool_calls else {"maxItems": 1})}
-    return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(array), param="tools"), None)
+    return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(array), param="tools"), parse_required)
 
 
 def _parameters(function: FunctionDefinition) -> dict[str, Any]:
     return function.parameters or {"type": "object", "properties": {}}
 
 
-def tool_calls_from_output(mode: ToolMode, text: str) -> list[ToolCall] | None:
-    """The calls in a finished constrained output; None when it is not complete JSON (the output
-    hit max_tokens first), in which case the text is returned as content."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if mode.named is not None:
-        return [_call(mode.named, value)]
-    return [_call(item["name"], item["parameters"]) for item in value]
-
-
-def _call(name: str, arguments: Any) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                    function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+def parse_message(mode: ToolMode, text: str) -> ParsedMessage:
+    """A finished output as content and calls; text that does not parse as a call (a forced
+    call cut off by max_tokens, an auto reply that only looks like one) stays content."""
+    return parsed_message(mode.parser(text, True))
 
 
 def template_tools(tools: list[ToolDefinition] | None, mode: ToolMode | None) -> list[dict[str, Any]] | None:

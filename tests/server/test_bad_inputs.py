@@ -62,7 +62,7 @@ CASES = [
     ("chat top_logprobs without logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat tool without function", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400,
      "tools[0].function"),
-    ("chat tool_choice auto", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+    ("chat tool_choice auto without --enable-auto-tool-choice", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
                                      "tool_choice": "auto"}, 400, "tool_choice"),
     ("chat tool_choice names an unknown tool", CHAT,
      {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],

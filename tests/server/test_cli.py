@@ -69,6 +69,16 @@ def test_enforce_eager_from_flag_or_environment() -> None:
     assert configs(["--no-enforce-eager"], {"KVSERVE_ENFORCE_EAGER": "1"})[0].enforce_eager is False
 
 
+def test_tool_call_flags_reach_the_settings() -> None:
+    settings = configs(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])[1]
+    assert (settings.enable_auto_tool_choice, settings.tool_call_parser) == (True, "llama3_json")
+    assert settings.auto_tool_parser is not None
+    settings = configs(["--tool-call-parser", "mistral"])[1]  # a parser alone does not enable "auto"
+    assert settings.auto_tool_parser is None
+    settings = configs([], {"KVSERVE_ENABLE_AUTO_TOOL_CHOICE": "1", "KVSERVE_TOOL_CALL_PARSER": "hermes"})[1]
+    assert settings.auto_tool_parser is not None
+
+
 def test_every_serve_option_has_an_environment_variable() -> None:
     from kvserve.server.cli import env_name
 
@@ -100,6 +110,8 @@ def test_every_serve_option_has_an_environment_variable() -> None:
     (["--scheduling-policy", "lifo"], {}, "--scheduling-policy"),
     (["--long-prefill-token-threshold", "-1"], {}, "--long-prefill-token-threshold"),
     ([], {"KVSERVE_ENFORCE_EAGER": "sometimes"}, "KVSERVE_ENFORCE_EAGER"),
+    (["--tool-call-parser", "pythonic"], {}, "--tool-call-parser"),
+    (["--enable-auto-tool-choice"], {}, "--enable-auto-tool-choice needs --tool-call-parser"),
 ])
 def test_bad_values_exit_2_with_a_message(argv, env, needle, capsys, monkeypatch) -> None:
     for name, value in env.items():
