@@ -45,10 +45,12 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], to
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as chat templates read them; an assistant turn's tool calls and a tool turn's
-    call id go along (templates render them), and a turn with only tool calls has no content."""
+    call id go along (templates render them). A turn with only tool calls (content null, as
+    OpenAI clients send it) gets empty content, as vLLM renders it: plain templates concatenate
+    `message['content']` and would fail on None."""
     rendered: list[dict[str, Any]] = []
     for m in messages:
-        message: dict[str, Any] = {"role": m.role, "content": None if m.content is None and m.tool_calls else m.text()}
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
         if m.tool_call_id is not None:

@@ -113,3 +113,16 @@ def test_tool_calls_and_results_in_the_history_reach_the_template():
     rendered = template.render(chat_messages(history), tools=TOOLS, add_generation_prompt=False)
     assert rendered == ('[tool get_weather][tool get_time]<user>Weather?<assistant>call get_weather({"city": "Paris"})'
                         "<tool>result for call_1: 18C")
+
+
+def test_a_turn_with_only_tool_calls_renders_in_a_template_that_concatenates_content():
+    # OpenAI clients (langchain's agents among them) send such a turn with "content": null;
+    # SmolLM2's ChatML template, like many, does `'...' + message['content']`.
+    template = ChatTemplate("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}")
+    history = [ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    ]]
+    assert template.render(chat_messages(history), add_generation_prompt=False) == "<user>Weather?<assistant><tool>18C"
