@@ -23,6 +23,7 @@ _WHITESPACE = " \t\n\r"
 _NUMBER_CHARS = "0123456789+-.eE"
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _LITERALS = ("true", "false", "null")
+_scan_string = json.decoder.scanstring
 # Deeper nesting than any tool's arguments need; it bounds the recursion on hostile output.
 _MAX_DEPTH = 64
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Mistral say arguments, Llama-3 parameters
@@ -173,10 +174,12 @@ def scan_call(text: str, pos: int) -> tuple[CallSegment, int | None]:
 
 def _string_value(text: str, pos: int) -> str:
     """The complete string whose opening quote is at `pos`, unescaped."""
+    string_end(text, pos)  # raises Incomplete while the closing quote is missing
     try:
-        return json.loads(text[pos:string_end(text, pos)], strict=False)
-    except json.JSONDecodeError:
+        value, _ = _scan_string(text, pos + 1, False)  # the C scanner: this runs for every key
+    except json.JSONDecodeError:  # a bad escape
         raise Malformed from None
+    return value
 
 
 def scan_call_array(text: str, pos: int) -> tuple[list[CallSegment], int | None]:

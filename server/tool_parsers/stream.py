@@ -9,6 +9,9 @@ its view into OpenAI's deltas.
 Segments are matched by position between views (a parser never reorders them). A segment still
 undecided may turn from call to text as long as nothing of the call was sent; a call already
 announced that then fails to parse (only when the reply is cut off inside it) is left as sent.
+Each delta re-parses the whole text: that keeps parsers pure functions of the text, and costs
+little because text outside calls is searched for markers by str.find and calls are short (the
+work per delta grows with the calls written so far, not with the reply).
 Blank text is held until more text follows it, and dropped at the end when there were calls:
 that keeps the streamed content equal to the non-streamed one (segments.parsed_message).
 """
