@@ -23,7 +23,7 @@ from kvserve.server.responder import Choice, read_generation_request, respond
 from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
 from kvserve.server.tool_calls import FunctionCall, ToolCall, ToolMode, parse_message, template_tools, tool_mode
-from kvserve.server.tool_parsers import ToolCallStream, new_call_id
+from kvserve.server.tool_parsers import ToolCallStream
 
 
 def chat_router(state: ServingState) -> APIRouter:
@@ -39,7 +39,8 @@ def chat_router(state: ServingState) -> APIRouter:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         base = build_sampling_params(body, max_tokens=requested, logprobs=top_logprobs,
                                      logprobs_param="top_logprobs", limits=limits)
-        tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.auto_tool_parser)
+        tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.auto_tool_parser,
+                          state.settings.new_tool_call_id)
         if tools is not None and tools.constraint is not None:
             if base.structured_output is not None:
                 raise bad_request("A forced tool call cannot be combined with another output constraint.",
@@ -108,7 +109,7 @@ class _ChatFormatter:
         chunk, the finish reason on the last; a delta whose text is all held back makes a chunk
         only when it carries one of those."""
         output = choice.output
-        stream = self._tool_streams.setdefault(choice.index, ToolCallStream(tools.parser))
+        stream = self._tool_streams.setdefault(choice.index, ToolCallStream(tools.parser, tools.new_id))
         update = stream.feed(output.text, final=output.finished)
         if output.finished:
             del self._tool_streams[choice.index]
@@ -136,7 +137,7 @@ class _ChatFormatter:
         if self.tools is not None:
             parsed = parse_message(self.tools, output.text)
             if parsed.calls:
-                calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                calls = [ToolCall(id=self.tools.new_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                          for c in parsed.calls]
                 return ChatChoice(index=choice.index, message=AssistantMessage(content=parsed.content, tool_calls=calls),
                                   logprobs=self._logprobs(output), finish_reason="tool_calls")

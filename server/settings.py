@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.config import ConfigError
 from kvserve.server.limits import ServerLimits
-from kvserve.server.tool_parsers import TOOL_CALL_PARSERS, OutputParser
+from kvserve.server.tool_parsers import FAMILY_CALL_IDS, TOOL_CALL_PARSERS, OutputParser, new_call_id
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -58,3 +59,8 @@ class ServerSettings:
         if not self.enable_auto_tool_choice or self.tool_call_parser is None:
             return None
         return TOOL_CALL_PARSERS[self.tool_call_parser]
+
+    @property
+    def new_tool_call_id(self) -> Callable[[], str]:
+        """Ids for every reported call, in the style the model family's chat template accepts back."""
+        return FAMILY_CALL_IDS.get(self.tool_call_parser or "", new_call_id)

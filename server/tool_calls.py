@@ -14,6 +14,7 @@ tool_choice omitted with tools given means "auto", as in OpenAI's API.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -69,10 +70,12 @@ class ToolMode:
 
     constraint: StructuredOutputParams | None
     parser: OutputParser
+    new_id: Callable[[], str]  # the calls' ids
 
 
 def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None,
-              parallel_tool_calls: bool, auto_parser: OutputParser | None) -> ToolMode | None:
+              parallel_tool_calls: bool, auto_parser: OutputParser | None,
+              new_id: Callable[[], str]) -> ToolMode | None:
     """`auto_parser` is the server's --tool-call-parser when auto tool choice is enabled."""
     if not tools:
         if isinstance(tool_choice, NamedToolChoice) or tool_choice == "required":
@@ -83,7 +86,7 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
     if tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
         if auto_parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
-        return ToolMode(None, auto_parser)
+        return ToolMode(None, auto_parser, new_id)
     by_name = {tool.function.name: tool.function for tool in tools}
     if isinstance(tool_choice, NamedToolChoice):
         function = by_name.get(tool_choice.function.name)
@@ -92,12 +95,13 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
                               "tool_choice")
         schema = json.dumps(_parameters(function))
         return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, schema, param="tools"),
-                        named_call_parser(function.name))
+                        named_call_parser(function.name), new_id)
     item = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "parameters": _parameters(f)},
                        "required": ["name", "parameters"], "additionalProperties": False}
                       for f in by_name.values()]}
     array = {"type": "array", "items": item, "minItems": 1, **({} if parallel_tool_calls else {"maxItems": 1})}
-    return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(array), param="tools"), parse_required)
+    return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(array), param="tools"), parse_required,
+                    new_id)
 
 
 def _parameters(function: FunctionDefinition) -> dict[str, Any]:

@@ -18,15 +18,12 @@ that keeps the streamed content equal to the non-streamed one (segments.parsed_m
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.server.tool_parsers.call_ids import new_call_id
 from kvserve.server.tool_parsers.segments import CallSegment, OutputParser, TextSegment, parsed_message
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass
@@ -46,8 +43,9 @@ class StreamDelta:
 
 
 class ToolCallStream:
-    def __init__(self, parser: OutputParser) -> None:
+    def __init__(self, parser: OutputParser, new_id: Callable[[], str] = new_call_id) -> None:
         self._parser = parser
+        self._new_id = new_id
         self._text = ""
         self._sent: list[_Sent] = []
         self._calls_announced = 0
@@ -78,7 +76,7 @@ class ToolCallStream:
                 return []
             sent.call_index = self._calls_announced
             self._calls_announced += 1
-            deltas.append({"index": sent.call_index, "id": new_call_id(), "type": "function",
+            deltas.append({"index": sent.call_index, "id": self._new_id(), "type": "function",
                            "function": {"name": call.name, "arguments": ""}})
         if len(call.arguments) > sent.argument_chars:
             deltas.append({"index": sent.call_index, "function": {"arguments": call.arguments[sent.argument_chars:]}})

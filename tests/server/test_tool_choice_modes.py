@@ -42,12 +42,17 @@ async def chat(script: str, body: dict, parser: str | None = "hermes", chars_per
                                json={"messages": USER, "tools": TOOLS, "max_tokens": 1000, **body})
 
 
+def valid_id(call_id: str) -> bool:
+    """OpenAI's style, or the 9 alphanumerics Mistral's templates demand."""
+    return call_id.startswith("call_") or (len(call_id) == 9 and call_id.isalnum())
+
+
 def message_of(response: httpx.Response) -> tuple[str | None, list[tuple[str, str]], str]:
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     calls = choice["message"]["tool_calls"]
     for call in calls:
-        assert call["id"].startswith("call_") and call["type"] == "function"
+        assert valid_id(call["id"]) and call["type"] == "function"
         assert isinstance(json.loads(call["function"]["arguments"]), dict)
     return (choice["message"]["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
             choice["finish_reason"])
@@ -65,7 +70,7 @@ def streamed(response: httpx.Response) -> tuple[str | None, list[tuple[str, str]
             for entry in choice["delta"].get("tool_calls", []):
                 if "id" in entry:
                     assert entry["index"] not in calls and entry["type"] == "function"
-                    assert entry["function"]["arguments"] == "" and entry["id"].startswith("call_")
+                    assert entry["function"]["arguments"] == "" and valid_id(entry["id"])
                     calls[entry["index"]] = [entry["function"]["name"], ""]
                 else:
                     calls[entry["index"]][1] += entry["function"]["arguments"]
@@ -155,6 +160,19 @@ async def test_each_streamed_choice_has_its_own_calls_and_logprobs_are_kept():
         logprobs = sum(len(c["logprobs"]["content"]) for c in choice_chunks if c.get("logprobs"))
         assert logprobs == len(HERMES_REPLY)  # one per generated token, even those held back
         assert choice_chunks[-1]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+async def test_mistral_calls_get_the_ids_its_chat_template_accepts_back(tool_choice, stream):
+    script = (f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}]' if tool_choice == "auto"
+              else f'[{{"name": "get_weather", "parameters": {WEATHER}}}]')
+    response = await chat(script, {"tool_choice": tool_choice, "stream": stream}, "mistral")
+    if stream:
+        ids = [e["id"] for d in streamed(response)[3] for e in d.get("tool_calls", []) if "id" in e]
+    else:
+        ids = [c["id"] for c in response.json()["choices"][0]["message"]["tool_calls"]]
+    assert len(ids) == 1 and len(ids[0]) == 9 and ids[0].isalnum()
 
 
 async def test_auto_leaves_the_output_unconstrained_and_forced_modes_constrain_it():
