@@ -13,20 +13,36 @@ it) against the plain-torch path (gathers each context, then two matmuls; valida
 served before), interleaved in one process (A, B, A, B, ... the minimum of each), next to SDPA on
 contiguous K/V of the same size. Run it on a quiet machine; `--threads 1` is steadier on a busy one.
 Every paged case scatters its blocks in a random order, as a long-running server would.
+
+    python benchmarks/kernels.py --device cpu --calls [--baseline main~3]
+
+--calls: what one layer's attention costs per call as the engine makes it (KV write + attention,
+SmolLM2's shape, bf16, 128-token contexts, decode steps of 1/16/64/256 rows and a mixed step of
+16 decodes + one 512-token prompt), microseconds per layer call, interleaved in one process:
+  served      TorchAttentionBackend as the engine holds it (unvalidated: straight to the C++ ops)
+  python op   the same kernels through the Python custom op and entry point (how they were served
+              before the backend called the C++ ops directly)
+  C++ ops     the two C++ ops alone (write + attention)
+  baseline    with --baseline REV: the C++ kernel source of git revision REV, built beside this
+              one under its own op namespace (old vs new kernel in one run)
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import FP8_KV_DTYPE, paged_attention
+from kvserve.kernels import FP8_KV_DTYPE, TorchAttentionBackend, custom_ops, paged_attention
 from kvserve.kernels.cpu_attention import cpu_kernel_available
+from kvserve.kernels.cpu_kernel_build import SOURCE, build_library, default_cache_dir
 from kvserve.kernels.torch_attention import torch_paged_attention
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM bandwidth by device name
@@ -134,6 +150,73 @@ def run_cpu(dtype_names: list[str], batches: tuple[int, ...] = BATCHES, contexts
             del args
 
 
+def load_baseline(revision: str) -> object:
+    """The kernel source of git `revision`, built (cached like the kernel) and loaded as the op
+    namespace kvserve_cpu_baseline; returns torch.ops.kvserve_cpu_baseline."""
+    relative = SOURCE.relative_to(SOURCE.parents[2])
+    text = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=SOURCE.parents[2], check=True,
+                          capture_output=True, text=True, timeout=60).stdout
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+        text = text.replace(f"{macro}(kvserve_cpu,", f"{macro}(kvserve_cpu_baseline,")
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "cpu_paged_attention_baseline.cpp"
+        source.write_text(text)
+        torch.ops.load_library(str(build_library(default_cache_dir(), source=source).library))
+    return torch.ops.kvserve_cpu_baseline
+
+
+def make_engine_step(decodes: int, context: int, prompt: int):
+    """One layer's inputs as the engine passes them: `decodes` single-query requests with
+    `context` tokens, then (if `prompt`) one fresh prompt of `prompt` tokens; bf16, SmolLM2's
+    shape. Returns (key, value, slot_mapping, attention args, hints)."""
+    shape = DecodeShape(decodes + (1 if prompt else 0), max(context, prompt), 9, 3, 64)
+    query, key_cache, value_cache, block_tables, seq_lens, _, scale = make_paged_decode(shape, torch.bfloat16, torch.bfloat16, "cpu")
+    seq_lens[:decodes] = context
+    q_lens = [1] * decodes + ([prompt] if prompt else [])
+    if prompt:
+        seq_lens[-1] = prompt
+    query = torch.randn(sum(q_lens), 9, 64, dtype=torch.bfloat16)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(length - q, length) for q, length in zip(q_lens, seq_lens.tolist(), strict=True)])
+    rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = block_tables[rows, positions // 16].long() * 16 + positions % 16
+    key = torch.randn(sum(q_lens), 3, 64, dtype=torch.bfloat16)
+    hints = dict(max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()), num_decodes=decodes)
+    return key, torch.randn_like(key), slots, (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale), hints
+
+
+def run_cpu_calls(baseline: str | None) -> None:
+    if not cpu_kernel_available():
+        raise SystemExit("the C++ CPU attention kernel could not be built here (see the log line above)")
+    old = load_baseline(baseline) if baseline else None
+    backend = TorchAttentionBackend(validate=False)
+    print(f"CPU, {torch.get_num_threads()} threads: one layer's KV write + attention per call, us (min of interleaved runs); "
+          f"SmolLM2 shape, bf16, 128-token contexts" + (f"; baseline = kernel at {baseline}" if baseline else ""))
+    columns = ["served", "python op", "C++ ops"] + (["baseline"] if old else [])
+    print(f"{'step':>22} | " + " ".join(f"{c:>10}" for c in columns) + (" | baseline/served" if old else ""))
+    for label, decodes, prompt in [("decode x1", 1, 0), ("decode x16", 16, 0), ("decode x64", 64, 0), ("decode x256", 256, 0),
+                                   ("16 decode + 512 prefill", 16, 512)]:
+        key, value, slots, args, hints = make_engine_step(decodes, 128, prompt)
+        query, key_cache, value_cache, tables, seq_lens, starts, scale = args
+
+        def served() -> None:
+            backend.write_kv_cache(key, value, key_cache, value_cache, slots)
+            backend.paged_attention(*args, **hints)
+
+        def python_op() -> None:
+            custom_ops.torch_write_kv_cache(key, value, key_cache, value_cache, slots, None, None, False)
+            custom_ops.torch_paged_attention(*args, hints["max_query_len"], hints["max_seq_len"], decodes, None, None, False)
+
+        def ops(namespace=torch.ops.kvserve_cpu) -> None:
+            namespace.write_kv_cache(key, value, key_cache, value_cache, slots, 1.0, 1.0)
+            namespace.paged_attention(query, key_cache, value_cache, tables, seq_lens, starts, scale, 1.0)
+
+        candidates = [served, python_op, ops] + ([lambda: ops(old)] if old else [])
+        times = [ms * 1e3 for ms in interleaved_ms(candidates, rounds=5)]
+        ratio = f" | {times[-1] / times[0]:>15.2f}" if old else ""
+        print(f"{label:>22} | " + " ".join(f"{t:>10.1f}" for t in times) + ratio, flush=True)
+
+
 def run_cuda(peak_gbps: float | None) -> None:
     import triton.testing
 
@@ -175,6 +258,8 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, if not an H100/H200/A100")
     parser.add_argument("--dtypes", default="bfloat16", help=f"CPU only: comma-separated, of {', '.join(CPU_DTYPES)} (fp8: bf16 queries, e4m3 cache)")
     parser.add_argument("--quick", action="store_true", help="CPU only: batch 16 and 64 at context 128 and 512, and the mixed step")
+    parser.add_argument("--calls", action="store_true", help="CPU only: the per-call table (see above) instead of the decode sweep")
+    parser.add_argument("--baseline", default=None, help="CPU --calls only: a git revision whose kernel to time beside this one")
     parser.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (1 is steadier on a busy machine)")
     args = parser.parse_args()
     if args.threads:
@@ -182,6 +267,8 @@ def main() -> None:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     if device == "cuda":
         run_cuda(args.peak_gbps)
+    elif args.calls:
+        run_cpu_calls(args.baseline)
     else:
         run_cpu(args.dtypes.split(","), *(((16, 64), (128, 512)) if args.quick else ()))
 

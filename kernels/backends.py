@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from kvserve.kernels import custom_ops
+from kvserve.kernels.cpu_attention import cpu_kernel_available, cpu_kernel_supports
+from kvserve.kernels.kv_quant import check_scale
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -60,18 +62,35 @@ class AttentionBackend(Protocol):
 class TorchAttentionBackend:
     """The CPU path (the C++ kernel where it builds, plain torch otherwise). `validate=False`
     skips the per-call checks of the metadata's values: the engine builds and checks its
-    metadata once per step, so its layers need not re-read it 2 x 30 times."""
+    metadata once per step, so its layers need not re-read it 2 x 30 times.
+
+    Unvalidated CPU calls go straight to the C++ ops (`native`, decided once here, so a compiled
+    forward sees a constant): they skip the Python op and the entry point's checks, ~15 us a call
+    that a one-row decode step pays 60 times. The kernel still bounds-checks every shape, block
+    id, slot and length it reads."""
 
     validate: bool = True
     name: str = "torch"
+    native: bool = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "native", not self.validate and cpu_kernel_available())
 
     def write_kv_cache(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
+        if self.native and key.device.type == "cpu":
+            torch.ops.kvserve_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping,
+                                                 check_scale("k_scale", k_scale), check_scale("v_scale", v_scale))
+            return
         custom_ops.torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, self.validate)
 
     def paged_attention(
         self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         *, max_query_len=None, max_seq_len=None, num_decodes=None, k_scale=None, v_scale=None,
     ) -> torch.Tensor:
+        if self.native and query.device.type == "cpu" and cpu_kernel_supports(query.shape[-1]):
+            # k_scale multiplies every score, v_scale every output: folded in, the cache is never touched.
+            return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                                         scale * check_scale("k_scale", k_scale), check_scale("v_scale", v_scale))
         return custom_ops.torch_paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
             max_query_len, max_seq_len, num_decodes, k_scale, v_scale, self.validate,

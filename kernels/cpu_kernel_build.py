@@ -62,23 +62,23 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _command(compiler: str, output: Path) -> list[str]:
+def _command(compiler: str, output: Path, source: Path = SOURCE) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     lib = TORCH_DIR / "lib"
-    command += [f"-I{TORCH_DIR / 'include'}", str(SOURCE), "-o", str(output), f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    command += [f"-I{TORCH_DIR / 'include'}", str(source), "-o", str(output), f"-L{lib}", f"-Wl,-rpath,{lib}"]
     # torch's lib/ also holds the libgomp that torch itself uses: linking against it keeps one
     # OpenMP runtime (one thread pool) in the process.
     return command + ["-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-def _library_path(cache_dir: Path, compiler: str) -> Path:
+def _library_path(cache_dir: Path, compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_command(compiler, Path("out"))).encode(), torch.__version__.encode(),
-                 version.encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(_command(compiler, Path("out"), Path("source.cpp"))).encode(),
+                 torch.__version__.encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
-    return cache_dir / f"cpu_paged_attention-{digest.hexdigest()[:16]}.so"
+    return cache_dir / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
 def cxx_compiler() -> str:
@@ -92,14 +92,15 @@ def cxx_compiler_available() -> bool:
     return shutil.which(cxx_compiler()) is not None
 
 
-def build_library(cache_dir: Path, compiler: str | None = None) -> BuildResult:
-    """The compiled library, compiling it only if no process on this machine has yet."""
+def build_library(cache_dir: Path, compiler: str | None = None, source: Path = SOURCE) -> BuildResult:
+    """The compiled library, compiling it only if no process on this machine has yet. `source`
+    other than the kernel's own is for benchmarks (an earlier revision, under its own op namespace)."""
     started = time.perf_counter()
     compiler = compiler or cxx_compiler()
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on PATH")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    library = _library_path(cache_dir, compiler)
+    library = _library_path(cache_dir, compiler, source)
     if library.exists():
         return BuildResult(library, compiled=False, seconds=time.perf_counter() - started)
     with open(library.with_suffix(".lock"), "w") as lock:
@@ -108,7 +109,7 @@ def build_library(cache_dir: Path, compiler: str | None = None) -> BuildResult:
             return BuildResult(library, compiled=False, seconds=time.perf_counter() - started)
         logger.info("compiling the CPU attention kernel into %s (once per machine)", cache_dir)
         partial = library.with_suffix(f".{os.getpid()}.partial")
-        result = subprocess.run(_command(compiler, partial), capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        result = subprocess.run(_command(compiler, partial, source), capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
             raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")

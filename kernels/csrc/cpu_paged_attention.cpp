@@ -33,12 +33,18 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kRowsPerTile = 16;  // query rows that share one pass over the K/V blocks
+constexpr int64_t kChunk = 16;        // keys per softmax step: one Vec of scores per row
+constexpr int kRowBlock = 4;          // rows computed together, their accumulators in registers
+// Below this much work (query rows x keys) one thread does it all: waking the pool and splitting
+// costs more than a few microseconds of work saves (1 decode row of a small model is ~1k).
+constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 constexpr int64_t kLanes = 16;        // floats per Vec
 constexpr int64_t kMaxVectors = 16;   // head_dim <= 256
 
@@ -179,19 +185,133 @@ struct Problem {
 
 // Per-thread fp32 scratch, allocated once per call and thread.
 struct Scratch {
-  std::vector<Vec> q, acc, k, v, scores;  // scores: one row of ceil(block_size / 16) Vecs per query row
+  std::vector<Vec> q, acc;    // [rows, vectors]: pre-scaled queries, running outputs
+  std::vector<Vec> k, v;      // [kChunk, vectors]: a chunk of K/V converted once for several row blocks
+  std::vector<Vec> parts;     // [kRowBlock, kChunk]: per-key partial dot products before reduce16
   std::vector<float> row_max, row_sum;
-  Scratch(int64_t rows, int64_t block_size, int64_t vectors)
-      : q(rows * vectors), acc(rows * vectors), k(block_size * vectors), v(block_size * vectors),
-        scores(rows * ((block_size + kLanes - 1) / kLanes)), row_max(rows), row_sum(rows) {}
+  std::vector<int64_t> visible;  // [rows]: keys of the current chunk each row may see
+  Scratch(int64_t rows, int64_t vectors)
+      : q(rows * vectors), acc(rows * vectors), k(kChunk * vectors), v(kChunk * vectors), parts(kRowBlock * kChunk),
+        row_max(rows), row_sum(rows), visible(rows) {}
 };
+
+// Lane j of the result = the sum of parts[j]'s 16 lanes: 16 dot products finished in 15
+// shuffle-and-add steps (a transpose folded into the adds), instead of 16 horizontal sums of
+// ~8 dependent steps each. The order of the additions is fixed, so results are deterministic.
+inline Vec reduce16(const Vec* parts) {
+  Vec t[8], u[4], v[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: key 2i's 8 partial sums, lanes 8-15: key 2i+1's
+    const Vec a = parts[2 * i], b = parts[2 * i + 1];
+    t[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 partial sums for each of keys 4i .. 4i+3
+    const Vec a = t[2 * i], b = t[2 * i + 1];
+    u[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // 2 partial sums for each of keys 8i .. 8i+7
+    const Vec a = u[2 * i], b = u[2 * i + 1];
+    v[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// One row block (kRB query rows, a compile-time count so its accumulators live in registers)
+// against one chunk of n <= 16 keys: scores, online-softmax update, and P.V. `src_t` is the
+// cache's element type when the rows read the cache directly, float when they read a chunk
+// converted once for several row blocks. visible[r] = how many of the n keys row r may see.
+template <typename src_t, int kVectors, int kRB>
+void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride, int64_t n,
+                const int64_t* visible, int64_t vectors, const Vec* q, Vec* acc_out, float* row_max, float* row_sum,
+                Vec* parts) {
+  const int64_t NV = kVectors > 0 ? kVectors : vectors;
+  for (int64_t j = 0; j < n; ++j) {
+    Vec k[kMaxVectors];
+    for (int64_t i = 0; i < NV; ++i) k[i] = load16(k_rows + j * k_stride + i * kLanes);
+    for (int r = 0; r < kRB; ++r) {
+      Vec sum = q[r * NV] * k[0];
+      for (int64_t i = 1; i < NV; ++i) sum += q[r * NV + i] * k[i];
+      parts[r * kChunk + j] = sum;
+    }
+  }
+  const Vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
+  alignas(64) float weights[kRB][kChunk];
+  bool whole_chunk = true;  // every row sees all n keys (always for decodes)
+  for (int r = 0; r < kRB; ++r) {
+    whole_chunk = whole_chunk && visible[r] >= n;
+    if (visible[r] <= 0) continue;
+    // Lanes past `visible` (keys this row may not see, or past the chunk: stale parts) are masked.
+    const Vec scores = lane < static_cast<float>(visible[r]) ? reduce16(parts + r * kChunk) : minus_inf;
+    const float new_max = std::max(row_max[r], hmax(scores));
+    const Vec p = exp_nonpositive(scores - new_max);
+    std::memcpy(weights[r], &p, sizeof(p));
+    if (new_max > row_max[r]) {
+      const float correction = std::exp(row_max[r] - new_max);  // 0 on the first chunk (max was -inf)
+      for (int64_t i = 0; i < NV; ++i) acc_out[r * NV + i] *= correction;
+      row_sum[r] *= correction;
+      row_max[r] = new_max;
+    }
+    row_sum[r] += hsum(p);
+  }
+  if (whole_chunk) {  // keys outer, rows inner: each V row is loaded once for the whole block
+    Vec acc[kRB][kMaxVectors];
+    for (int r = 0; r < kRB; ++r)
+      for (int64_t i = 0; i < NV; ++i) acc[r][i] = acc_out[r * NV + i];
+    for (int64_t j = 0; j < n; ++j) {
+      Vec v[kMaxVectors];
+      for (int64_t i = 0; i < NV; ++i) v[i] = load16(v_rows + j * v_stride + i * kLanes);
+      for (int r = 0; r < kRB; ++r)
+        for (int64_t i = 0; i < NV; ++i) acc[r][i] += weights[r][j] * v[i];
+    }
+    for (int r = 0; r < kRB; ++r)
+      for (int64_t i = 0; i < NV; ++i) acc_out[r * NV + i] = acc[r][i];
+    return;
+  }
+  // The causal diagonal: a row reads only the V rows it may see (an unseen row may hold
+  // anything, and 0 * inf would still poison the sum).
+  for (int r = 0; r < kRB; ++r) {
+    Vec acc[kMaxVectors];
+    for (int64_t i = 0; i < NV; ++i) acc[i] = acc_out[r * NV + i];
+    for (int64_t j = 0; j < visible[r]; ++j) {
+      for (int64_t i = 0; i < NV; ++i) acc[i] += weights[r][j] * load16(v_rows + j * v_stride + i * kLanes);
+    }
+    for (int64_t i = 0; i < NV; ++i) acc_out[r * NV + i] = acc[i];
+  }
+}
+
+// Rows [r0, r0 + count) of the tile against one chunk, count <= kRowBlock.
+template <typename src_t, int kVectors>
+void chunk_row_block(int64_t count, const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride,
+                     int64_t n, const int64_t* visible, int64_t vectors, Scratch& s, int64_t r0) {
+  const int64_t NV = vectors;
+  const auto args = std::make_tuple(k_rows, k_stride, v_rows, v_stride, n, visible + r0, vectors, s.q.data() + r0 * NV,
+                                    s.acc.data() + r0 * NV, s.row_max.data() + r0, s.row_sum.data() + r0, s.parts.data());
+  switch (count) {
+    case 1: return std::apply(chunk_rows<src_t, kVectors, 1>, args);
+    case 2: return std::apply(chunk_rows<src_t, kVectors, 2>, args);
+    case 3: return std::apply(chunk_rows<src_t, kVectors, 3>, args);
+    default: return std::apply(chunk_rows<src_t, kVectors, 4>, args);
+  }
+}
+
+template <typename kv_t>
+void prefetch_rows(const kv_t* rows, int64_t count, int64_t stride, int64_t head_dim) {
+  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(kv_t));
+  for (int64_t j = 0; j < count; ++j) {
+    const char* row = reinterpret_cast<const char*>(rows + j * stride);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
+  }
+}
 
 // kVectors = head_dim / 16 when it is a compile-time constant (the common head dims), else 0.
 template <typename q_t, typename kv_t, int kVectors>
 void attend_tile(const Problem& p, const WorkItem& item, Scratch& s) {
   const int64_t NV = kVectors > 0 ? kVectors : p.head_dim / kLanes;
   const int64_t B = p.block_size, group = p.group;
-  const int64_t SV = (B + kLanes - 1) / kLanes;  // Vecs per row of scores
   const int64_t q_start = p.query_start_loc(item.seq);
   const int64_t q_len = p.query_start_loc(item.seq + 1) - q_start;
   const int64_t context_before = p.seq_lens(item.seq) - q_len;  // positions before this step's queries
@@ -216,64 +336,51 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s) {
   const kv_t* value_cache = static_cast<const kv_t*>(p.value_cache);
   const int64_t num_keys = context_before + t1;  // the tile's last token sees keys [0, num_keys)
   const int64_t num_blocks = (num_keys + B - 1) / B;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  // Several row blocks share each chunk: convert its K/V to fp32 once rather than per block.
+  const bool staged = rows > kRowBlock;
+  int64_t* visible = s.visible.data();
+  auto block_id = [&](int64_t b) {
     const int64_t block = p.block_tables(item.seq, b);
     TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "block_tables[", item.seq, ", ", b, "] = ", block,
                       " is outside the KV cache's ", p.num_blocks, " blocks");
-    const int64_t first_key = b * B;
-    const int64_t n = std::min(B, num_keys - first_key);
+    return block;
+  };
+  int64_t block = block_id(0);
+  for (int64_t b = 0; b < num_blocks; ++b) {
     const kv_t* k_block = key_cache + block * p.k_stride_b + item.kv_head * p.k_stride_h;
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t i = 0; i < NV; ++i) s.k[j * NV + i] = load16(k_block + j * p.k_stride_s + i * kLanes);
-    }
-
-    for (int64_t r = 0; r < rows; ++r) {
-      // Row r is token t0 + r / group, at position context_before + t0 + r / group: it sees keys up to there.
-      const int64_t visible = std::min(n, context_before + t0 + r / group - first_key + 1);
-      if (visible <= 0) continue;
-      Vec* score_vecs = s.scores.data() + r * SV;
-      float* scores = reinterpret_cast<float*>(score_vecs);
-      const Vec* q_row = s.q.data() + r * NV;
-      for (int64_t j = 0; j < visible; ++j) {
-        const Vec* k_row = s.k.data() + j * NV;
-        Vec sum = q_row[0] * k_row[0];
-        for (int64_t i = 1; i < NV; ++i) sum += q_row[i] * k_row[i];
-        scores[j] = hsum(sum);
-      }
-      std::fill(scores + visible, scores + SV * kLanes, -std::numeric_limits<float>::infinity());
-      Vec maxima = score_vecs[0];
-      for (int64_t c = 1; c < SV; ++c) maxima = maxima > score_vecs[c] ? maxima : score_vecs[c];
-      const float new_max = std::max(s.row_max[r], hmax(maxima));
-      Vec sums{};
-      for (int64_t c = 0; c < SV; ++c) {
-        score_vecs[c] = exp_nonpositive(score_vecs[c] - new_max);
-        sums += score_vecs[c];
-      }
-      const float block_sum = hsum(sums);
-      if (new_max > s.row_max[r]) {
-        const float correction = std::exp(s.row_max[r] - new_max);  // 0 on the first block (max was -inf)
-        Vec* acc = s.acc.data() + r * NV;
-        for (int64_t i = 0; i < NV; ++i) acc[i] *= correction;
-        s.row_sum[r] *= correction;
-        s.row_max[r] = new_max;
-      }
-      s.row_sum[r] += block_sum;
-    }
-
     const kv_t* v_block = value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h;
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t i = 0; i < NV; ++i) s.v[j * NV + i] = load16(v_block + j * p.v_stride_s + i * kLanes);
+    if (b + 1 < num_blocks) {  // blocks lie anywhere in memory: ask for the next one while this one computes
+      block = block_id(b + 1);
+      const int64_t next_n = std::min(B, num_keys - (b + 1) * B);
+      prefetch_rows(key_cache + block * p.k_stride_b + item.kv_head * p.k_stride_h, next_n, p.k_stride_s, p.head_dim);
+      prefetch_rows(value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h, next_n, p.v_stride_s, p.head_dim);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(n, context_before + t0 + r / group - first_key + 1);
-      const float* weights = reinterpret_cast<const float*>(s.scores.data() + r * SV);
-      Vec acc[kMaxVectors];  // in registers when NV is a constant
-      for (int64_t i = 0; i < NV; ++i) acc[i] = s.acc[r * NV + i];
-      for (int64_t j = 0; j < visible; ++j) {
-        const Vec* v_row = s.v.data() + j * NV;
-        for (int64_t i = 0; i < NV; ++i) acc[i] += weights[j] * v_row[i];
+    for (int64_t c0 = 0; c0 < B; c0 += kChunk) {
+      const int64_t first_key = b * B + c0;
+      const int64_t n = std::min({kChunk, B - c0, num_keys - first_key});
+      if (n <= 0) break;
+      // Row r is token t0 + r / group, at position context_before + t0 + r / group: it sees keys up to there.
+      for (int64_t r = 0; r < rows; ++r) visible[r] = std::min(n, context_before + t0 + r / group - first_key + 1);
+      const kv_t* k_rows = k_block + c0 * p.k_stride_s;
+      const kv_t* v_rows = v_block + c0 * p.v_stride_s;
+      if (staged) {
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t i = 0; i < NV; ++i) {
+            s.k[j * NV + i] = load16(k_rows + j * p.k_stride_s + i * kLanes);
+            s.v[j * NV + i] = load16(v_rows + j * p.v_stride_s + i * kLanes);
+          }
+        }
       }
-      for (int64_t i = 0; i < NV; ++i) s.acc[r * NV + i] = acc[i];
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        const int64_t count = std::min<int64_t>(kRowBlock, rows - r0);
+        if (visible[r0 + count - 1] <= 0) continue;  // later rows see more: none of this block sees the chunk
+        if (staged) {
+          chunk_row_block<float, kVectors>(count, reinterpret_cast<const float*>(s.k.data()), NV * kLanes,
+                                           reinterpret_cast<const float*>(s.v.data()), NV * kLanes, n, visible, NV, s, r0);
+        } else {
+          chunk_row_block<kv_t, kVectors>(count, k_rows, p.k_stride_s, v_rows, p.v_stride_s, n, visible, NV, s, r0);
+        }
+      }
     }
   }
 
@@ -293,13 +400,17 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s) {
 }
 
 template <typename q_t, typename kv_t, int kVectors>
-void run_items(const Problem& p, const std::vector<WorkItem>& items) {
+void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t workers) {
   const int64_t rows = p.tokens_per_tile * p.group;
-  std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  if (workers <= 1) {  // small work: waking the thread pool would cost more than it saves
+    Scratch scratch(rows, p.head_dim / kLanes);
+    for (const WorkItem& item : items) attend_tile<q_t, kv_t, kVectors>(p, item, scratch);
+    return;
+  }
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(rows, p.block_size, p.head_dim / kLanes);
+    Scratch scratch(rows, p.head_dim / kLanes);
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         attend_tile<q_t, kv_t, kVectors>(p, items[i], scratch);
@@ -309,21 +420,26 @@ void run_items(const Problem& p, const std::vector<WorkItem>& items) {
 }
 
 template <typename q_t, typename kv_t>
-void run_items(const Problem& p, const std::vector<WorkItem>& items) {
+void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t workers) {
   switch (p.head_dim) {  // fully unrolled inner loops for the common head dims
-    case 64: return run_items<q_t, kv_t, 4>(p, items);
-    case 128: return run_items<q_t, kv_t, 8>(p, items);
-    default: return run_items<q_t, kv_t, 0>(p, items);
+    case 64: return run_items<q_t, kv_t, 4>(p, items, workers);
+    case 128: return run_items<q_t, kv_t, 8>(p, items, workers);
+    default: return run_items<q_t, kv_t, 0>(p, items, workers);
   }
 }
 
+struct Plan {
+  std::vector<WorkItem> items;  // prompt chunks first
+  int64_t work = 0;             // query rows x keys they read, summed: what the threads would share
+};
+
 // Checks lengths and offsets (O(num_seqs)); returns the work items, prompt chunks first.
-std::vector<WorkItem> plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t num_kv_heads) {
+Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t num_kv_heads) {
   TORCH_CHECK_VALUE(p.query_start_loc(0) == 0, "query_start_loc must start at 0, got ", p.query_start_loc(0));
   TORCH_CHECK_VALUE(p.query_start_loc(num_seqs) == num_tokens, "query_start_loc ends at ", p.query_start_loc(num_seqs),
                     " but query has ", num_tokens, " rows");
-  std::vector<WorkItem> items;
-  items.reserve(num_seqs * num_kv_heads);
+  Plan plan;
+  plan.items.reserve(num_seqs * num_kv_heads);
   for (int pass = 0; pass < 2; ++pass) {
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t q_len = p.query_start_loc(seq + 1) - p.query_start_loc(seq);
@@ -336,15 +452,16 @@ std::vector<WorkItem> plan_items(const Problem& p, int64_t num_seqs, int64_t num
                           " tokens needs more than the ", p.max_blocks_per_seq, " blocks of its block table row");
       }
       if ((pass == 0) != (q_len > 1)) continue;  // chunks in the first pass, decodes in the second
+      plan.work += q_len * seq_len * p.num_heads;  // an upper bound (causal rows see less): fine for a threshold
       const int64_t tiles = (q_len + p.tokens_per_tile - 1) / p.tokens_per_tile;
       for (int64_t tile = 0; tile < tiles; ++tile) {
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          items.push_back(WorkItem{static_cast<int32_t>(seq), static_cast<int32_t>(tile), static_cast<int32_t>(h)});
+          plan.items.push_back(WorkItem{static_cast<int32_t>(seq), static_cast<int32_t>(tile), static_cast<int32_t>(h)});
         }
       }
     }
   }
-  return items;
+  return plan;
 }
 
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -401,7 +518,9 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   p.max_blocks_per_seq = tables.size(1);
   p.score_scale = static_cast<float>(score_scale);
   p.out_scale = static_cast<float>(out_scale);
-  const std::vector<WorkItem> items = plan_items(p, num_seqs, num_tokens, num_kv_heads);
+  const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads);
+  const std::vector<WorkItem>& items = plan.items;
+  const int64_t workers = plan.work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());
 
   const at::ScalarType q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   TORCH_CHECK_VALUE(value_cache.scalar_type() == kv_type, "key_cache and value_cache must have the same dtype");
@@ -409,13 +528,13 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   TORCH_CHECK_VALUE(fp8 || kv_type == q_type, "KV cache dtype must equal the query dtype or be float8_e4m3fn");
   switch (q_type) {
     case at::kFloat:
-      fp8 ? run_items<float, c10::Float8_e4m3fn>(p, items) : run_items<float, float>(p, items);
+      fp8 ? run_items<float, c10::Float8_e4m3fn>(p, items, workers) : run_items<float, float>(p, items, workers);
       break;
     case at::kHalf:
-      fp8 ? run_items<c10::Half, c10::Float8_e4m3fn>(p, items) : run_items<c10::Half, c10::Half>(p, items);
+      fp8 ? run_items<c10::Half, c10::Float8_e4m3fn>(p, items, workers) : run_items<c10::Half, c10::Half>(p, items, workers);
       break;
     case at::kBFloat16:
-      fp8 ? run_items<c10::BFloat16, c10::Float8_e4m3fn>(p, items) : run_items<c10::BFloat16, c10::BFloat16>(p, items);
+      fp8 ? run_items<c10::BFloat16, c10::Float8_e4m3fn>(p, items, workers) : run_items<c10::BFloat16, c10::BFloat16>(p, items, workers);
       break;
     default:
       TORCH_CHECK_VALUE(false, "query dtype must be float32, float16 or bfloat16, got ", q_type);
@@ -498,6 +617,15 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
   write_cache(value, value_cache, slots.data_ptr<int64_t>(), static_cast<float>(v_scale));
 }
 
+// Shapes only, for torch.compile's fake tensors (symbolic sizes): the ops stay single graph nodes.
+at::Tensor paged_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, double) {
+  return at::empty_symint(query.sym_sizes(), query.options());
+}
+
+void write_kv_cache_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         double, double) {}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
@@ -512,4 +640,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv_cache", &write_kv_cache);
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, Meta, m) {
+  m.impl("paged_attention", &paged_attention_meta);
+  m.impl("write_kv_cache", &write_kv_cache_meta);
 }

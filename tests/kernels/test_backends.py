@@ -33,7 +33,8 @@ def test_unknown_backend_name_is_refused() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
-@pytest.mark.parametrize("backend", [TorchAttentionBackend(), TritonAttentionBackend(debug=True)], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [TorchAttentionBackend(), TorchAttentionBackend(validate=False), TritonAttentionBackend(debug=True)],
+                         ids=["torch", "torch-serving", "triton"])
 def test_backends_write_then_attend_like_dense(backend) -> None:
     reference = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, group=3)
     key_cache, value_cache = torch.zeros_like(reference.key_cache), torch.zeros_like(reference.value_cache)
@@ -48,3 +49,41 @@ def test_backends_write_then_attend_like_dense(backend) -> None:
         reference.scale, max_query_len=16, max_seq_len=200,
     )
     torch.testing.assert_close(out, dense_attention(reference), **TOLERANCES[torch.float32])
+
+
+def _written_batch():
+    """A mixed batch's K/V as one step's rows, their slots, and the reference (empty caches)."""
+    reference = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, group=3)
+    block_size = reference.key_cache.shape[2]
+    slots = [reference.block_tables[i, torch.arange(k.shape[0]) // block_size].long() * block_size + torch.arange(k.shape[0]) % block_size
+             for i, k in enumerate(reference.dense_keys)]
+    return reference, torch.cat(reference.dense_keys), torch.cat(reference.dense_values), torch.cat(slots)
+
+
+def test_the_serving_backend_refuses_a_block_past_the_cache() -> None:
+    # Unvalidated CPU calls go straight to the C++ op where it builds: it still checks what it reads.
+    reference = make_batch([17, 5], [1, 5], group=2)
+    tables = reference.block_tables.clone()
+    tables[0, 1] = reference.key_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = \d+ is outside"):
+        TorchAttentionBackend(validate=False).paged_attention(
+            reference.query, reference.key_cache, reference.value_cache, tables, reference.seq_lens, reference.query_start_loc,
+            reference.scale)
+
+
+@pytest.mark.slow  # one torch.compile, ~15 s
+def test_the_serving_backend_compiles_into_one_graph_that_writes_the_cache_in_place() -> None:
+    backend = TorchAttentionBackend(validate=False)
+    reference, key, value, slots = _written_batch()
+    key_cache, value_cache = torch.zeros_like(reference.key_cache), torch.zeros_like(reference.value_cache)
+
+    def layer(query, key, value, key_cache, value_cache, slots, tables, seq_lens, starts):
+        backend.write_kv_cache(key * 1.0, value, key_cache, value_cache, slots)  # the math around it, as in a layer
+        return backend.paged_attention(query * 1.0, key_cache, value_cache, tables, seq_lens, starts, reference.scale) + 0.0
+
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    out = compiled(reference.query, key, value, key_cache, value_cache, slots, reference.block_tables, reference.seq_lens,
+                   reference.query_start_loc)
+    torch.testing.assert_close(out, dense_attention(reference), **TOLERANCES[torch.float32])
+    block_size = key_cache.shape[2]
+    torch.testing.assert_close(key_cache[slots // block_size, :, slots % block_size], key, rtol=0, atol=0)

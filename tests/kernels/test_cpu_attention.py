@@ -40,7 +40,9 @@ def _kernel(batch, **scales) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (1, 8), (1, 4)])
+# Groups cover row blocks of 1-4 rows, tiles that convert K/V once for several blocks, and
+# tiles wider than 16 rows (a group of 24: one token per tile).
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (1, 8), (1, 4), (1, 5), (1, 24)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_random_batches_match_the_torch_path(seed: int, num_kv_heads: int, group: int, dtype: torch.dtype) -> None:
     batch, _ = _random_batch(seed, num_seqs=9, num_kv_heads=num_kv_heads, group=group, dtype=dtype, block_size=(8, 16, 32)[seed % 3])
