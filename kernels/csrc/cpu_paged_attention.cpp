@@ -7,17 +7,20 @@
 // One work item = (request, KV head, tile of that request's query tokens):
 //
 //     rows of a tile   r = (token - t0) * group + g      g = query head within the KV head's group
-//     for each block b of the request (up to the tile's last causal position):
-//         K rows of block b, KV head h  ->  fp32 scratch   (read ONCE for all rows of the tile)
-//         scores[r, j] = q[r] . k[j]                      (q pre-scaled by scale * k_scale)
-//         online softmax in fp32: m[r], l[r], acc[r] rescaled when the running max grows
-//         V rows -> fp32 scratch; acc[r] += p[r, j] * v[j]
+//     for each chunk of 16 keys of the request (up to the tile's last causal position):
+//         for each block of <= 4 rows (their accumulators in registers):
+//             parts[r, j] = q[r] * k[j], lane-wise      (q pre-scaled by scale * k_scale)
+//             scores[r, :] = reduce16(parts[r, :])      (16 dot products finished in one shuffle tree)
+//             online softmax in fp32: m[r], l[r], acc[r] rescaled when the running max grows
+//             acc[r] += p[r, j] * v[j]
 //     out[r] = acc[r] * v_scale / l[r]
 //
-// A decode is one tile of `group` rows, so the GQA heads sharing a KV head read each block once.
-// Threads pull items from an atomic counter (prompt chunks, the expensive ones, first), so one long
-// chunk next to many short decodes does not leave a thread idle. Metadata is bounds-checked as it
-// is read: a bad block id is an error, never an out-of-bounds read.
+// A decode is one tile of `group` rows, so the GQA heads sharing a KV head read each block once;
+// a wider tile (prompt chunks) converts each chunk of K/V to fp32 once for all its row blocks.
+// The next block is prefetched while one computes (blocks lie anywhere in memory). Threads pull
+// items from an atomic counter (prompt chunks, the expensive ones, first), so one long chunk next
+// to many short decodes does not leave a thread idle; small calls run on the calling thread.
+// Metadata is bounds-checked as it is read: a bad block id is an error, never an out-of-bounds read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
