@@ -141,6 +141,19 @@ class BlockAllocator:
             self._fill[block_id] = num_tokens
             self._tokens_in_used += grown
 
+    def is_shared(self, block_id: int) -> bool:
+        """Whether more than one block table holds the block (unchecked: for ids taken from a table)."""
+        return self._refcounts[block_id] > 1
+
+    def fill_held(self, block_id: int, num_tokens: int) -> None:
+        """mark_filled without its checks, for the per-step path: the caller took `block_id`
+        from a block table (so it is valid and in use) and `num_tokens` from a position inside
+        that block (so it is within 1..block_size)."""
+        grown = num_tokens - self._fill[block_id]
+        if grown > 0:
+            self._fill[block_id] = num_tokens
+            self._tokens_in_used += grown
+
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise BlockAllocatorError(f"block id {block_id} is out of range: this allocator has blocks 0..{self.num_blocks - 1}")

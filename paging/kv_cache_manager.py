@@ -102,8 +102,24 @@ class KVCacheManager:
         # The per-step path (every running request, every step): the request holds blocks and
         # only grows. Kept free of anything a decode step does not need.
         table = state.table
+        size = self.block_size
         end = num_computed_tokens + num_new_tokens
-        num_blocks_needed = -(-end // self.block_size)
+        first = num_computed_tokens // size
+        # Steady decode, 15 steps in 16: the step writes into one block the request already
+        # holds alone, so there is nothing to allocate or copy, only a fill count to advance
+        # (and, when the block just filled, a prefix-cache entry to offer).
+        if 0 < num_new_tokens and end <= (first + 1) * size and first < len(table):
+            block_id = table[first]
+            if not self._allocator.is_shared(block_id) and not self._prefix_cache.is_cached(block_id):
+                self._allocator.fill_held(block_id, end - first * size)
+                if end > table.num_tokens:
+                    table.num_tokens = end
+                if self.enable_prefix_caching:
+                    num_full = min(len(token_ids), end) // size
+                    if num_full > len(state.block_hashes):
+                        self._register_full_blocks(state, token_ids, num_full)
+                return table.block_ids
+        num_blocks_needed = -(-end // size)
         num_held = len(table)
         # Copy-on-write: blocks this step writes into that another request also holds, or that
         # the prefix cache holds (its tokens are promised to future hits). Normally that is the
@@ -111,7 +127,7 @@ class KVCacheManager:
         # mid-block, once its other holders are gone. Usually one block is written: a decode's.
         allocator, cache = self._allocator, self._prefix_cache
         shared = []
-        for index in range(num_computed_tokens // self.block_size, min(num_held, num_blocks_needed)):
+        for index in range(first, min(num_held, num_blocks_needed)):
             block_id = table[index]
             if allocator.refcount(block_id) > 1 or cache.is_cached(block_id):
                 shared.append(index)

@@ -143,20 +143,36 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         # Oldest first. Victims come from the back, so a victim is never a request already
         # scheduled in this step, unless the request being served is itself the newest.
+        # This loop runs for every running request every step: _chunk_size and _add_to_plan are
+        # inlined and the budget kept in a local (a method call per request is measurable).
         running, allocate_slots = self._running, self.kv_cache_manager.allocate_slots
+        threshold = self.config.long_prefill_token_threshold
+        scheduled = plan.scheduled
         num_running = len(running)  # shrinks as victims leave from the back
         for index, request in enumerate(list(running)):
             if index >= num_running or plan.budget <= 0:
                 return
-            num_new = self._chunk_size(request, request.num_computed_tokens, plan.budget)
-            while (block_ids := allocate_slots(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                               num_new, cache_salt=request.cache_salt)) is None:
+            all_token_ids = request.all_token_ids
+            start = request.num_computed_tokens
+            num_new = len(all_token_ids) - start
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > plan.budget:
+                num_new = plan.budget
+            while (block_ids := allocate_slots(request.request_id, all_token_ids, start, num_new,
+                                               (), request.cache_salt)) is None:
                 victim = running.pop_back()
                 num_running -= 1
                 self._preempt(victim, plan)
                 if victim is request:
                     return
-            self._add_to_plan(plan, request, num_new, block_ids)
+            end = start + num_new
+            # Positional: field order as declared.
+            scheduled.append(ScheduledRequest(
+                request.request_id, all_token_ids[start:end], start, block_ids, end == len(all_token_ids),
+                request.sampling_params, request.seed, request.prompt_token_ids, request.output_token_ids,
+            ))
+            plan.budget -= num_new
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
