@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, draw_inverse_cdf
+from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, draw_inverse_cdf, greedy_tokens
 from kvserve.engine.sampling.sampling_batch import SamplingBatch
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
@@ -296,3 +296,23 @@ def test_rows_that_do_not_sample_are_skipped_and_shapes_are_checked() -> None:
 def test_bfloat16_logits_are_accepted() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.bfloat16)
     assert Sampler()(logits, batch_of([request(SamplingParams(temperature=0))], 3)).token_ids == [1]
+
+
+@pytest.mark.parametrize("vocab", [1024, 1000])  # chunked path, and the plain argmax fallback
+def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules(vocab: int) -> None:
+    """The first maximum wins a tie (inside a chunk and across chunks), a NaN counts as the
+    maximum (even after a larger finite value), an all -inf row gives 0."""
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))
+    logits[0, [5, 7, 900]] = 50.0
+    logits[1, [300, 9]] = float("nan")
+    logits[2] = NEG_INF
+    logits[3, [200, 20]] = float("inf")
+    logits[4] = 0.0
+    logits[5, 3] = 60.0
+    logits[5, 700] = float("nan")
+    logits[6, [130, 129]] = 70.0
+    expected = [5, 9, 0, 20, 0, 700, 129, logits[7].argmax().item()]
+    assert greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist() == expected
+    half = logits.bfloat16()
+    assert greedy_tokens(half).tolist() == half.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits[:, :vocab // 2]).tolist() == logits[:, :vocab // 2].argmax(dim=-1).tolist()
