@@ -182,7 +182,10 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         for scheduled in scheduler_output.scheduled:
-            self.tracker.mark_scheduled(scheduled.request_id, start)
+            # A request first runs while computing its prompt; one past it has run before
+            # (skipping those keeps the per-step work off the decoding rows).
+            if scheduled.num_computed_tokens < len(scheduled.prompt_token_ids):
+                self.tracker.mark_scheduled(scheduled.request_id, start)
         token_mask = self.structured_output.token_mask(scheduler_output)
         # Unconstrained steps (nearly all) call the runner exactly as before.
         runner_output = (self.model_runner.execute(scheduler_output) if token_mask is None
@@ -199,7 +202,9 @@ class LLMEngine:
             touched[group.request_id] = group
             stop_string = self.tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now)
             request = update.request
-            if child_id in self.structured_output:
+            # No mask: no row of this step is constrained (a constrained row that did not sample
+            # gained no token and cannot have finished), so there is nothing to advance.
+            if token_mask is not None and child_id in self.structured_output:
                 self.structured_output.accept(child_id, update.new_token_ids)
                 if update.finished or stop_string is not None:
                     self.structured_output.remove(child_id)

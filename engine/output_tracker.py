@@ -98,7 +98,11 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        # A loop rather than all(<generator>): this runs twice per request per step.
+        for completion in self.completions:
+            if completion.finish_reason is None:
+                return False
+        return True
 
     def take_output(self) -> RequestOutput | None:
         """The group's news since its last report, or None when there is none."""

@@ -71,8 +71,15 @@ class IncrementalDetokenizer:
         self._window_released = len(self._decode_window(self._read_offset).rstrip(_REPLACEMENT_CHAR))
         self._stop_buffer = ""
         self._finished = False
-        self.text = ""  # everything emitted so far
+        # Everything emitted so far, as pieces: `text += piece` on an attribute copies the whole
+        # text at every token (CPython only extends a string in place for a local variable).
+        self._pieces: list[str] = []
         self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     def append(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
         if self._finished:
@@ -111,6 +118,10 @@ class IncrementalDetokenizer:
         self._window_released = len(self._decode_window(self._read_offset))
 
     def _release(self, chunk: str, *, final: bool) -> DetokenizerUpdate:
+        if not self._stop:  # most requests: nothing to look for, nothing to hold back
+            if chunk:
+                self._pieces.append(chunk)
+            return DetokenizerUpdate(chunk)
         buffer = self._stop_buffer + chunk
         match = _earliest_stop(buffer, self._stop)
         if match is not None:
@@ -119,12 +130,12 @@ class IncrementalDetokenizer:
             self.stop_string = stop
             self._stop_buffer = ""
             self._finished = True
-            self.text += emitted
+            self._pieces.append(emitted)
             return DetokenizerUpdate(emitted, stop)
         hold = 0 if final else _longest_stop_prefix_suffix(buffer, self._stop)
         emitted = buffer[: len(buffer) - hold]
         self._stop_buffer = buffer[len(buffer) - hold:]
-        self.text += emitted
+        self._pieces.append(emitted)
         return DetokenizerUpdate(emitted)
 
 
