@@ -36,11 +36,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.model.packed_linear import PackedLinear  # noqa: E402
 from kvserve.engine.quantization import Int4Linear, Int8Linear  # noqa: E402
 
 CATEGORIES = ("linear layers", "attention", "other model ops", "input prep", "sampler", "scheduler+alloc",
               "detokenize/output", "python glue")
-LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear)
+LINEAR_TYPES = (nn.Linear, PackedLinear, Int8Linear, Int4Linear)
 
 
 class Timers:

@@ -20,6 +20,7 @@ from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
 from kvserve.engine.model.model_source import resolve_model
+from kvserve.engine.model.packed_linear import pack_linear_weights
 from kvserve.engine.quantization import quantize_model
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.scaled_kv_backend import ScaledKVBackend
@@ -87,6 +88,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         logger.warning("no C++ compiler (%s) found: running the forward eagerly; install one (g++) to "
                        "compile it, or pass --enforce-eager to silence this", cxx_compiler())
         compiled = False
+    if device.type == "cpu" and config.tensor_parallel_size == 1:
+        # After quantization (which swaps the layers it converts) and after the KV sizing above
+        # (which counts the dense weights the packed ones replace), before any compiling.
+        packed = pack_linear_weights(model)
+        logger.info("%d linear layers' weights prepacked for oneDNN", packed)
     if config.tensor_parallel_size > 1:
         runner: ModelRunner = TensorParallelRunner.start(config, source, model, model_config, kv_spec, attention,
                                                          device, dtype, eos_token_ids)
