@@ -2,20 +2,25 @@
 
     python benchmarks/step_profile.py [--rows 1,16,64,256] [--prompt-len 128] [--steps 5] [--out step_profile.json]
 
-Every timer wraps an existing call of the real engine (LLM with the default CPU settings); no
-engine code changes. Categories (exclusive; milliseconds per step, mean of --steps steps):
-  linear layers      every nn.Linear / quantized linear forward (forward hooks), lm_head included
-  attention          the attention backend's write_kv_cache + paged_attention
+Every timer wraps an existing call of the real engine (LLM with the default CPU settings, so the
+compiled forward); no engine code changes. Categories (exclusive; milliseconds per step, mean of
+--steps steps):
+  linear layers      the matmul ops of every linear layer, lm_head included (torch profiler events:
+                     packed_linear, mm, addmm, linear, the int8/int4 weight-only ops)
+  attention          the attention backend's write_kv_cache + paged_attention ops (profiler events)
   other model ops    the model forward minus the two above: embedding, norms, rope, SiLU, residuals
+                     (in the compiled forward: inductor's fused kernels and the graph's glue)
   input prep         ModelRunner.prepare_inputs: token ids, positions, block tables, slot mapping
   sampler            the batched sampler
   scheduler+alloc    Scheduler.schedule + update_from_output (block allocator included)
   detokenize/output  the output tracker's incremental detokenizer and stop strings
   python glue        the rest of LLMEngine.step: the step total minus everything above
-The forward hooks themselves cost a few microseconds per linear layer (121 per forward), which
-lands in "python glue" and "other model ops"; compare rows within one run. A decode step at R rows
-has R requests with --prompt-len-token prompts each already in the cache; the mixed step is 16
-decoding requests plus one --mixed-prompt-len-token prompt prefilled in the same step.
+Linear layers and attention are read from torch.profiler's op events, not from module hooks:
+hooks on modules inside the compiled layers would be traced into (and change) the compiled
+graphs. The profiler's per-op bookkeeping (a few microseconds per op) inflates the step total a
+little; compare rows within one run. A decode step at R rows has R requests with
+--prompt-len-token prompts each already in the cache; the mixed step is 16 decoding requests plus
+one --mixed-prompt-len-token prompt prefilled in the same step.
 """
 
 from __future__ import annotations
@@ -36,12 +41,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
-from kvserve.engine.model.packed_linear import PackedLinear  # noqa: E402
-from kvserve.engine.quantization import Int4Linear, Int8Linear  # noqa: E402
 
 CATEGORIES = ("linear layers", "attention", "other model ops", "input prep", "sampler", "scheduler+alloc",
               "detokenize/output", "python glue")
-LINEAR_TYPES = (nn.Linear, PackedLinear, Int8Linear, Int4Linear)
 
 
 class Timers:
@@ -67,28 +69,45 @@ class Timers:
         module.register_forward_hook(post)
 
 
-class TimedAttention:
-    """Stands in for the runner's attention backend, timing its two calls."""
+# Op names (as the profiler records them) of each category; an op nested in another op of a
+# category (aten::mm inside aten::linear, a matmul inside paged attention) counts once, for the outer.
+ATTENTION_OP_PREFIXES = ("kvserve::", "kvserve_cpu::")
+LINEAR_OPS = frozenset({"kvserve_linear::packed_linear", "mkldnn::_linear_pointwise", "aten::linear", "aten::mm",
+                        "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
+                        "aten::_weight_int4pack_mm_for_cpu"})
 
-    def __init__(self, inner: Any, timers: Timers) -> None:
-        self.inner = inner
-        self.write_kv_cache = timers.wrap(inner.write_kv_cache, "attention")
-        self.paged_attention = timers.wrap(inner.paged_attention, "attention")
 
-    def __getattr__(self, name: str) -> Any:  # anything else the runner asks the backend
-        return getattr(self.inner, name)
+def op_category(name: str) -> str | None:
+    if name.startswith(ATTENTION_OP_PREFIXES):
+        return "attention"
+    return "linear" if name in LINEAR_OPS else None
+
+
+def profiled_op_seconds(events: Any) -> dict[str, float]:
+    """Seconds per category from torch.profiler FunctionEvents, counting only the outermost event
+    of any category on each call stack."""
+    seconds: dict[str, float] = defaultdict(float)
+    for event in events:
+        category = op_category(event.name)
+        if category is None:
+            continue
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested = op_category(parent.name) is not None
+            parent = parent.cpu_parent
+        if not nested:
+            seconds[category] += event.time_range.elapsed_us() / 1e6
+    return seconds
 
 
 def instrument(llm: LLM) -> Timers:
     timers = Timers()
     engine = llm.engine
     runner = engine.model_runner
-    for module in runner.model.modules():
-        if isinstance(module, LINEAR_TYPES):
-            timers.hook(module, "linear")
-    timers.hook(runner.model.lm_head, "lm_head")  # runs in compute_logits, outside the forward
+    # Hooks only on modules that run eagerly: the model itself (its layers are what is compiled)
+    # and lm_head, which compute_logits calls outside the forward.
+    timers.hook(runner.model.lm_head, "lm_head")
     timers.hook(runner.model, "forward")
-    runner.attention = TimedAttention(runner.attention, timers)
     runner.prepare_inputs = timers.wrap(runner.prepare_inputs, "input prep")
     runner.sampler = timers.wrap(runner.sampler, "sampler")
     engine.scheduler.schedule = timers.wrap(engine.scheduler.schedule, "scheduler+alloc")
@@ -97,6 +116,14 @@ def instrument(llm: LLM) -> Timers:
     engine.tracker.on_finished = timers.wrap(engine.tracker.on_finished, "detokenize/output")
     engine.step = timers.wrap(engine.step, "step")
     return timers
+
+
+def profiled_steps(timers: Timers, steps: Callable[[], None]) -> dict[str, float]:
+    """Runs `steps` under torch.profiler; returns the raw timer sums, linear and attention added."""
+    timers.seconds.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        steps()
+    return {**timers.seconds, **profiled_op_seconds(profiler.events())}
 
 
 def breakdown(seconds: dict[str, float], steps: int) -> dict[str, float]:
@@ -123,10 +150,10 @@ def run_until_decoding(llm: LLM, ids: list[str]) -> None:
 
 
 def profile_steps(llm: LLM, timers: Timers, steps: int) -> dict[str, float]:
-    timers.seconds.clear()
-    for _ in range(steps):
-        llm.engine.step()
-    return breakdown(timers.seconds, steps)
+    def run() -> None:
+        for _ in range(steps):
+            llm.engine.step()
+    return breakdown(profiled_steps(timers, run), steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     for request_id in ids:
         llm.engine.add_request(request_id, _prompt(rng, args.prompt_len), params)
     run_until_decoding(llm, ids)
-    timers.seconds.clear()
-    for i in range(3):  # each step: the 16 decodes (and earlier mixed requests) + one new prompt, whole
-        llm.engine.add_request(f"p-{i}", _prompt(rng, args.mixed_prompt_len), params)
-        llm.engine.step()
+
+    def mixed() -> None:
+        for i in range(3):  # each step: the 16 decodes (and earlier mixed requests) + one new prompt, whole
+            llm.engine.add_request(f"p-{i}", _prompt(rng, args.mixed_prompt_len), params)
+            llm.engine.step()
     name = f"mixed 16 decode + {args.mixed_prompt_len} prefill"
-    results[name] = breakdown(timers.seconds, 3)
+    results[name] = breakdown(profiled_steps(timers, mixed), 3)
     print(f"{name}: {results[name]['step total']:.1f} ms/step", flush=True)
 
     columns = list(results)

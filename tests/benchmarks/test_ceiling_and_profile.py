@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from ceiling import ceiling_tokens_per_s
 from model_shapes import LAYER_SHAPES, LM_HEAD
-from step_profile import CATEGORIES, breakdown
+from step_profile import CATEGORIES, breakdown, profiled_op_seconds
 
 
 def test_ceiling_counts_every_token_through_the_layers_and_output_tokens_through_lm_head() -> None:
@@ -22,3 +24,38 @@ def test_breakdown_is_exclusive_and_sums_to_the_step() -> None:
     assert out["linear layers"] == pytest.approx(250.0)  # ms per step, lm_head included
     assert out["other model ops"] == pytest.approx((0.6 - 0.4 - 0.15) * 500)
     assert sum(out[c] for c in CATEGORIES) == pytest.approx(out["step total"]) == pytest.approx(500.0)
+
+
+@dataclass
+class _Span:
+    us: float
+
+    def elapsed_us(self) -> float:
+        return self.us
+
+
+@dataclass
+class _Event:  # the fields of a torch.profiler FunctionEvent that the profile reads
+    name: str
+    us: float
+    cpu_parent: _Event | None = None
+
+    @property
+    def time_range(self) -> _Span:
+        return _Span(self.us)
+
+
+def test_profiled_ops_count_the_outermost_op_of_each_category_once() -> None:
+    graph = _Event("## Call CompiledFxGraph", 900.0)
+    packed = _Event("kvserve_linear::packed_linear", 100.0, graph)
+    inner = _Event("mkldnn::_linear_pointwise", 90.0, packed)
+    attention = _Event("kvserve::torch_paged_attention", 300.0, graph)
+    attention_matmul = _Event("aten::matmul", 50.0, attention)  # part of attention, not a linear layer
+    deep_mm = _Event("aten::mm", 40.0, _Event("aten::empty", 1.0, attention_matmul))
+    head = _Event("aten::linear", 30.0)
+    head_mm = _Event("aten::addmm", 29.0, head)
+    events = [graph, packed, inner, attention, attention_matmul, deep_mm, head, head_mm,
+              _Event("kvserve_cpu::write_kv_cache", 20.0, graph)]
+    seconds = profiled_op_seconds(events)
+    assert seconds["linear"] == pytest.approx(130e-6)
+    assert seconds["attention"] == pytest.approx(320e-6)
