@@ -1,11 +1,13 @@
 """Decode-step time, eager vs compiled forward (issue 12), interleaved in one process.
 
-    python benchmarks/compiled_forward.py [--rows 1 16 64 256] [--context 256] [--dtype bfloat16]
+    python benchmarks/compiled_forward.py [--rows 1 16 64 256] [--context 256] [--dtype bfloat16] [--dense]
 
-Two runners over two copies of the model, one compiled (engine/compilation.py); each step is a
-full ModelRunner.execute of `rows` single-token decodes at `context` tokens of context (metadata,
-forward, logits, greedy sampling). Eager and compiled alternate step by step, so machine noise
-hits both alike; the table shows the minimum and median per step.
+Runners over copies of the model, one compiled (engine/compilation.py); each step is a full
+ModelRunner.execute of `rows` single-token decodes at `context` tokens of context (metadata,
+forward, logits, greedy sampling). Weights are prepacked for oneDNN as the engine does
+(engine/model/packed_linear.py); --dense adds eager and compiled runners with plain F.linear
+weights, to measure what packing buys. The runners alternate step by step, so machine noise hits
+all alike; the table shows the minimum and median per step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model.model_source import resolve_model
+from kvserve.engine.model.packed_linear import pack_linear_weights
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
 from kvserve.kernels import select_attention_backend
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -26,8 +29,10 @@ from kvserve.scheduler.sampling_params import SamplingParams
 BLOCK_SIZE = 16
 
 
-def make_runner(model_name: str, dtype: torch.dtype, num_blocks: int, compiled: bool) -> ModelRunner:
+def make_runner(model_name: str, dtype: torch.dtype, num_blocks: int, compiled: bool, packed: bool) -> ModelRunner:
     config, model = load_model(resolve_model(model_name), dtype, torch.device("cpu"))
+    if packed:
+        pack_linear_weights(model)
     runner = ModelRunner(model, config, KVCacheSpec(num_blocks, BLOCK_SIZE, dtype),
                          select_attention_backend("torch", torch.device("cpu")),
                          torch.device("cpu"), eos_token_ids=(), compiled=compiled)
@@ -54,14 +59,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dense", action="store_true", help="also run with plain F.linear weights")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     num_blocks = max(args.rows) * (args.context // BLOCK_SIZE + 1)
     start = time.perf_counter()
-    runners = {"eager": make_runner(args.model, dtype, num_blocks, compiled=False)}
-    runners["compiled"] = make_runner(args.model, dtype, num_blocks, compiled=True)
+    variants = [("eager", False, True), ("compiled", True, True)]
+    if args.dense:
+        variants += [("eager dense", False, False), ("compiled dense", True, False)]
+    runners = {name: make_runner(args.model, dtype, num_blocks, compiled=compiled, packed=packed)
+               for name, compiled, packed in variants}
     print(f"set-up incl. compile: {time.perf_counter() - start:.1f} s; torch threads: {torch.get_num_threads()}")
-    print(f"{'rows':>5} {'eager min':>10} {'eager med':>10} {'comp min':>10} {'comp med':>10} {'speed-up':>9}  (ms per step)")
+    print("ms per step, min / median; speed-up of compiled over eager by the minimum")
+    print("| rows | " + " | ".join(runners) + " | compiled speed-up |")
+    print("|---|" + "---|" * (len(runners) + 1))
     for rows in args.rows:
         step = decode_step(rows, args.context)
         times: dict[str, list[float]] = {name: [] for name in runners}
@@ -71,9 +82,8 @@ def main() -> None:
                 runner.execute(step)
                 if i:  # the first step of each shape warms allocator and caches
                     times[name].append((time.perf_counter() - began) * 1e3)
-        eager, compiled = times["eager"], times["compiled"]
-        print(f"{rows:>5} {min(eager):>10.1f} {statistics.median(eager):>10.1f} {min(compiled):>10.1f} "
-              f"{statistics.median(compiled):>10.1f} {min(eager) / min(compiled):>8.2f}x", flush=True)
+        cells = " | ".join(f"{min(t):.1f} / {statistics.median(t):.1f}" for t in times.values())
+        print(f"| {rows} | {cells} | {min(times['eager']) / min(times['compiled']):.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A plain bf16 `F.linear` on CPU hands oneDNN a row-major weight, which it reorder
 blocked (VNNI / AMX tile) layout its kernels read, on every call: a decode step re-copies all
 ~270 MB of weights before multiplying. Measured on the model's own shapes (30 layers x 4 matrices,
 each a separate tensor as in a real forward), the prepacked matmul takes ~0.6-0.7x the time of
-`F.linear` at 1 to 256 rows, with bit-identical results (benchmarks/compiled_forward.py --packed).
+`F.linear` at 1 to 256 rows, with bit-identical results (benchmarks/compiled_forward.py --dense).
 This is what inductor's "freezing + weight prepack" does for a whole-model compile; kvserve
 compiles one layer's graph for all 30 layers (engine/compilation.py), so the weights are graph
 inputs, not constants, and inductor cannot pack them itself. Packing them here instead works for
