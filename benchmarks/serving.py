@@ -114,6 +114,13 @@ class ServerProcess:
         self.env = dict(env) if env is not None else None
         self._process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id (to read its CPU time)."""
+        if self._process is None:
+            raise RuntimeError("the server is not running")
+        return self._process.pid
+
     def log_tail(self, chars: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 

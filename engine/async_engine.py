@@ -6,8 +6,11 @@
                  await queue.get() ◄─out───  step() ... step()
     client gone: abort ─────────────cmd──►  abort_request (before the next step)
 
-The event loop never waits on a model step: commands go through a thread-safe queue and outputs
-come back with call_soon_threadsafe. If a step raises, the engine is marked dead and every
+The event loop never waits on a model step, and the engine never waits on the loop: commands go
+through a thread-safe queue, and a step's outputs go back in one call_soon_threadsafe per event
+loop (not one per request: each call writes to the loop's wake-up pipe, and a step at 64 running
+requests would pay 64 of them, plus as many chances for the loop to wake and take the GIL in the
+middle of the hand-off). If a step raises, the engine is marked dead and every
 in-flight request gets EngineDeadError instead of hanging.
 """
 
@@ -45,6 +48,12 @@ class _Stream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """Runs on the event loop: one step's outputs into their requests' queues, in step order."""
+    for queue_, output in batch:
+        queue_.put_nowait(output)
 
 
 class AsyncEngine:
@@ -193,11 +202,16 @@ class AsyncEngine:
         except ValueError as error:  # the admission check refused it (or a duplicate id)
             stream.put(error)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands one step's outputs to their event loops, one batch per loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
-            stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.put(output)
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _run(self) -> None:
         try:
@@ -207,8 +221,9 @@ class AsyncEngine:
                 self._wakeup.clear()
                 while not self._commands.empty():
                     self._commands.get()()
-                for output in self.engine.step():
-                    self._deliver(output)
+                outputs = self.engine.step()
+                if outputs:
+                    self._deliver(outputs)
                 self._load = self.engine.load()
         except BaseException as error:  # noqa: BLE001 - any failure must reach the waiting clients
             logger.exception("engine loop failed; marking the engine dead")
