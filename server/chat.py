@@ -22,6 +22,7 @@ from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
 from kvserve.server.responder import Choice, read_generation_request, respond
 from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
+from kvserve.server.streaming import sse_event
 from kvserve.server.tool_calls import FunctionCall, ToolCall, ToolMode, parse_message, template_tools, tool_mode
 from kvserve.server.tool_parsers import ToolCallStream
 
@@ -125,6 +126,9 @@ class _ChatFormatter:
             finish_reason=finish if i == last else None,
             stop_reason=output.stop_reason if i == last and not update.has_calls else None)])
             for i, d in enumerate(deltas)]
+
+    def chunk_events(self, choice: Choice) -> list[str]:
+        return [sse_event(chunk) for chunk in self.chunks(choice)]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kvserve.engine import FinishReason
+from kvserve.server.chunk_template import CompletionChunkTemplate
 from kvserve.server.engine_protocol import ServingTokenizer
 from kvserve.server.errors import bad_request
 from kvserve.server.formatting import completion_logprobs
@@ -27,6 +28,7 @@ from kvserve.server.protocol import (CompletionChoice, CompletionLogprobs, Compl
 from kvserve.server.responder import Choice, read_generation_request, respond
 from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
+from kvserve.server.streaming import sse_event
 
 
 def completions_router(state: ServingState) -> APIRouter:
@@ -93,6 +95,9 @@ class _CompletionFormatter:
         # the prompt has been through the model: in the choice's first chunk, not an opening one.
         self.echo_with_logprobs = body.echo and body.logprobs is not None
         self._text_offset: dict[int, int] = {}  # per streamed choice: characters sent so far
+        # Chunks that carry text only (no logprobs of any kind) skip pydantic: one per token.
+        self._plain = CompletionChunkTemplate(response_id, created, model) \
+            if body.logprobs is None and body.prompt_logprobs is None else None
 
     def _with(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(**self.header, choices=choices, usage=usage)
@@ -129,6 +134,12 @@ class _CompletionFormatter:
         return [self._with([CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
                                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
                                              prompt_logprobs=self._prompt_logprobs(choice, first))])]
+
+    def chunk_events(self, choice: Choice) -> list[str]:
+        if self._plain is None:
+            return [sse_event(chunk) for chunk in self.chunks(choice)]
+        delta = choice.output
+        return [self._plain.event(choice.index, delta.text, delta.finish_reason, delta.stop_reason)]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return self._with([], usage)
