@@ -120,9 +120,18 @@ def _with_ceiling_and_profile() -> dict[str, Any]:
 def test_ceiling_step_profile_and_quantization_sections() -> None:
     text = render_report(_with_ceiling_and_profile())
     assert "| 64 (headline) | 600.0 | 50% |" in text and "| 1 | 100.0 | 300% |" in text
-    assert "| 1 | 0.050 |" in text and "26.0 ms per token" in text
+    assert "| 1 | 0.050 |" in text and "26.0 ms per token with `F.linear`." in text
     assert "| linear layers | 30.00 (60%) |" in text and "| step total | 50.00 |" in text
     assert "| int4 | 4/16 | 50.0% | 4.3553 |" in text and "| int4 | 6.0 (0.30x) | 9.0 (0.45x) |" in text
+
+
+def test_the_ceiling_with_prepacked_weights_is_a_second_yardstick() -> None:
+    data = _with_ceiling_and_profile()
+    data["ceiling"] |= {"packed_ceiling_tokens_per_s": {"1": 150.0, "64": 1200.0},
+                        "packed_single_stream_floor_ms": 20.0}
+    text = render_report(data)
+    assert "| 64 (headline) | 600.0 | 50% | 1,200.0 | 25% |" in text
+    assert "26.0 ms per token with `F.linear`, 20.0 ms with prepacked weights." in text
 
 
 def test_unmeasured_ceiling_profile_and_quantization_say_so() -> None:
