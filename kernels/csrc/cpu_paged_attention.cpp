@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -472,13 +473,42 @@ void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t wor
   }
 }
 
+// A fresh prompt (no context before it) of at least this many tokens goes through torch's own
+// scaled_dot_product_attention on its gathered K/V: the flash kernel computes tiles of queries x
+// keys as matrix products (AMX / VNNI where the CPU has them), measured 2.8x faster than the
+// loop here for a 512-token bf16 prompt. A chunk after earlier context needs a bottom-right
+// causal mask, which SDPA's CPU flash path does not take: such chunks stay here, as do fp8
+// caches (SDPA would need a converted copy) and short prompts (gathering is not worth it).
+constexpr int64_t kSdpaMinTokens = 64;
+
 struct Plan {
   std::vector<WorkItem> items;  // prompt chunks first
   int64_t work = 0;             // query rows x keys they read, summed: what the threads would share
+  std::vector<int64_t> prompts;  // sequences for SDPA (see kSdpaMinTokens)
 };
 
+// seq's first `len` K or V rows of every KV head as a dense [1, kv_heads, len, head_dim] tensor.
+at::Tensor gather_context(const at::Tensor& cache, const Problem& p, int64_t seq, int64_t len) {
+  const int64_t kv_heads = cache.size(1), B = p.block_size, row_bytes = p.head_dim * cache.element_size();
+  at::Tensor dense = at::empty({1, kv_heads, len, p.head_dim}, cache.options());
+  const char* src = static_cast<const char*>(cache.data_ptr());
+  char* dst = static_cast<char*>(dense.data_ptr());
+  for (int64_t b = 0; b * B < len; ++b) {
+    const int64_t block = p.block_tables(seq, b);
+    TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "block_tables[", seq, ", ", b, "] = ", block,
+                      " is outside the KV cache's ", p.num_blocks, " blocks");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t j = 0; j < std::min(B, len - b * B); ++j) {
+        const int64_t at = block * cache.stride(0) + h * cache.stride(1) + j * cache.stride(2);
+        std::memcpy(dst + (h * len + b * B + j) * row_bytes, src + at * cache.element_size(), row_bytes);
+      }
+    }
+  }
+  return dense;
+}
+
 // Checks lengths and offsets (O(num_seqs)); returns the work items, prompt chunks first.
-Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t num_kv_heads) {
+Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t num_kv_heads, bool sdpa_prompts) {
   TORCH_CHECK_VALUE(p.query_start_loc(0) == 0, "query_start_loc must start at 0, got ", p.query_start_loc(0));
   TORCH_CHECK_VALUE(p.query_start_loc(num_seqs) == num_tokens, "query_start_loc ends at ", p.query_start_loc(num_seqs),
                     " but query has ", num_tokens, " rows");
@@ -496,6 +526,10 @@ Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t 
                           " tokens needs more than the ", p.max_blocks_per_seq, " blocks of its block table row");
       }
       if ((pass == 0) != (q_len > 1)) continue;  // chunks in the first pass, decodes in the second
+      if (sdpa_prompts && q_len == seq_len && q_len >= kSdpaMinTokens) {
+        plan.prompts.push_back(seq);
+        continue;
+      }
       plan.work += q_len * seq_len * p.num_heads;  // an upper bound (causal rows see less): fine for a threshold
       const int64_t tiles = (q_len + p.tokens_per_tile - 1) / p.tokens_per_tile;
       for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -562,14 +596,27 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   p.max_blocks_per_seq = tables.size(1);
   p.score_scale = static_cast<float>(score_scale);
   p.out_scale = static_cast<float>(out_scale);
-  const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads);
-  const std::vector<WorkItem>& items = plan.items;
-  const int64_t workers = plan.work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());
-
   const at::ScalarType q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   TORCH_CHECK_VALUE(value_cache.scalar_type() == kv_type, "key_cache and value_cache must have the same dtype");
   const bool fp8 = kv_type == at::kFloat8_e4m3fn;
   TORCH_CHECK_VALUE(fp8 || kv_type == q_type, "KV cache dtype must equal the query dtype or be float8_e4m3fn");
+  TORCH_CHECK_VALUE(q_type == at::kFloat || q_type == at::kHalf || q_type == at::kBFloat16,
+                    "query dtype must be float32, float16 or bfloat16, got ", q_type);
+  const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads, !fp8);
+  const std::vector<WorkItem>& items = plan.items;
+  const int64_t workers = plan.work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());
+
+  for (const int64_t seq : plan.prompts) {  // SDPA runs its own threads: one prompt at a time
+    const int64_t start = p.query_start_loc(seq), len = p.seq_lens(seq);
+    const at::Tensor q = query.narrow(0, start, len).permute({1, 0, 2}).unsqueeze(0);  // [1, heads, len, D]
+    at::Tensor rows = at::scaled_dot_product_attention(q, gather_context(key_cache, p, seq, len),
+                                                       gather_context(value_cache, p, seq, len), std::nullopt, 0.0,
+                                                       /*is_causal=*/true, score_scale, /*enable_gqa=*/true)
+                          .squeeze(0)
+                          .permute({1, 0, 2});
+    if (out_scale != 1.0) rows = rows.mul(out_scale);
+    out.narrow(0, start, len).copy_(rows);
+  }
   switch (q_type) {
     case at::kFloat:
       fp8 ? run_items<float, c10::Float8_e4m3fn>(p, items, workers) : run_items<float, float>(p, items, workers);
@@ -580,8 +627,8 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
     case at::kBFloat16:
       fp8 ? run_items<c10::BFloat16, c10::Float8_e4m3fn>(p, items, workers) : run_items<c10::BFloat16, c10::BFloat16>(p, items, workers);
       break;
-    default:
-      TORCH_CHECK_VALUE(false, "query dtype must be float32, float16 or bfloat16, got ", q_type);
+    default:  // refused above
+      break;
   }
   return out;
 }

@@ -122,3 +122,22 @@ def test_unvalidated_writes_are_still_checked_by_the_kernel_before_anything_is_w
     with pytest.raises(ValueError, match="only 48 slots"):
         write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, 48]), validate=False)
     assert torch.count_nonzero(key_cache) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1)])
+def test_fresh_prompts_beside_decodes_and_later_chunks_match_the_torch_path(dtype: torch.dtype, num_kv_heads: int, group: int) -> None:
+    # Fresh prompts of >= 64 tokens go through torch's SDPA on gathered K/V (one of 65, just past
+    # a block edge; one of 130); a shorter one and a chunk after earlier context stay in the loop.
+    batch = make_batch([40, 65, 9, 130, 200], [1, 65, 9, 130, 70], num_kv_heads=num_kv_heads, group=group, dtype=dtype, seed=3)
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    torch.testing.assert_close(_kernel(batch, **scales).float(), torch_paged_attention(*batch.attention_args(), **scales).float(),
+                               **TOLERANCES[dtype])
+
+
+def test_a_fresh_prompt_with_a_block_past_the_cache_is_refused() -> None:
+    batch = make_batch([70], [70], group=2)
+    tables = batch.block_tables.clone()
+    tables[0, 4] = batch.key_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 4\] = \d+ is outside"):
+        cpu_paged_attention(batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens, batch.query_start_loc, batch.scale, 1.0)
