@@ -1,7 +1,9 @@
 """Where online throughput goes missing: offline `LLM.generate` and the same requests through
 `kvserve serve` over HTTP streaming, interleaved in one run (A, B, A, B, ...), so both see the same
-machine load. Prints each round, the best of each, and the CPU seconds the client and the server
-spent, which says whether the load-test client itself competes with the server for the cores.
+machine load. Prints each round, the best of each, and the CPU seconds each side spent (offline:
+this process; online: the client, the server and each server thread), which says what the HTTP
+path costs beyond the model steps and whether the load-test client competes for the cores. CPU
+seconds hold up on a busy machine better than tokens/s do.
 
     OMP_NUM_THREADS=2 python benchmarks/online_gap.py --num-requests 64 --rounds 3
 
@@ -104,9 +106,11 @@ def main() -> int:
     with server as base_url:
         server_pid = server.pid
         for round_ in range(args.rounds):
+            cpu0 = own_cpu_s()
             tokens, seconds = run_kvserve_continuous(llm, items)
             offline.append(tokens / seconds)
-            print(f"round {round_}: offline {tokens / seconds:7.1f} tok/s ({seconds:.1f} s)", flush=True)
+            print(f"round {round_}: offline {tokens / seconds:7.1f} tok/s ({seconds:.1f} s; CPU s {own_cpu_s() - cpu0:.1f})",
+                  flush=True)
             client0, server0, threads0 = own_cpu_s(), process_cpu_s(server_pid), thread_cpu_s(server_pid)
             tokens, seconds, ttft, tpot = run_online(base_url, items, warmups=1)
             client_cpu, server_cpu = own_cpu_s() - client0, process_cpu_s(server_pid) - server0
