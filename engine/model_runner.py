@@ -103,16 +103,21 @@ class ModelRunner:
         """Flattens the step with single-token requests (decodes) first, as the attention
         kernels want; `logits_indices` stays in the scheduler's order of sampling requests."""
         scheduled = output.scheduled
-        order = sorted(range(len(scheduled)), key=lambda i: len(scheduled[i].token_ids) != 1)  # stable
-        batch = [scheduled[i] for i in order]
-        flat = build_flat_batch([len(r.token_ids) for r in batch], [r.num_computed_tokens for r in batch],
+        query_lens = [len(r.token_ids) for r in scheduled]
+        if max(query_lens, default=0) == 1:  # all decodes (steady state): already in order
+            order, batch, batch_lens = list(range(len(scheduled))), list(scheduled), query_lens
+        else:
+            order = sorted(range(len(scheduled)), key=lambda i: query_lens[i] != 1)  # stable
+            batch = [scheduled[i] for i in order]
+            batch_lens = [query_lens[i] for i in order]
+        flat = build_flat_batch(batch_lens, [r.num_computed_tokens for r in batch],
                                 [r.block_ids for r in batch], self.kv_spec.block_size, self.device)
         input_ids = np.fromiter((t for r in batch for t in r.token_ids), dtype=np.int64, count=flat.attn_metadata.num_tokens)
         # Request i of the scheduler's order is flattened request position[i], whose last row is
         # ends[position[i]] - 1.
         position = np.empty(len(order), dtype=np.int64)
         position[order] = np.arange(len(order))
-        ends = np.cumsum([len(r.token_ids) for r in batch])
+        ends = np.cumsum(batch_lens)
         logits_indices = ends[position[[i for i, r in enumerate(scheduled) if r.samples]]] - 1
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(self.device),
