@@ -50,6 +50,10 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [num_sampling_rows={batch.num_rows}, vocab], got {tuple(logits.shape)}")
+        if batch.is_plain_greedy:
+            # Only an argmax: no float32 copy of [rows, vocab] half-precision logits (upcasting
+            # is exact, so the argmax is the same).
+            return SamplerOutput(token_ids=greedy_tokens(logits).tolist(), logprobs=[None] * batch.num_rows)
         raw = logits.float()
         processed = self.processed_logits(raw, batch)
         random = batch.random

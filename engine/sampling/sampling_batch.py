@@ -73,6 +73,13 @@ class SamplingBatch:
     logprob_rows: Tensor | None  # int64 indices of the rows that want logprobs
     max_num_logprobs: int
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits: nothing draws, nothing changes a logit,
+        nobody wants logprobs."""
+        return (self.random is None and self.logit_bias is None and self.banned is None
+                and self.penalties is None and self.logprob_rows is None)
+
     @classmethod
     def from_requests(cls, requests: Sequence[ScheduledRequest], vocab_size: int, eos_token_ids: tuple[int, ...],
                       device: torch.device) -> "SamplingBatch":

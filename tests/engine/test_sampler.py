@@ -316,3 +316,17 @@ def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules(vocab: int) -> None:
     half = logits.bfloat16()
     assert greedy_tokens(half).tolist() == half.argmax(dim=-1).tolist()
     assert greedy_tokens(logits[:, :vocab // 2]).tolist() == logits[:, :vocab // 2].argmax(dim=-1).tolist()
+
+
+def test_plain_greedy_rows_take_the_argmax_of_half_precision_logits_without_upcasting() -> None:
+    """bf16 logits (as a half-precision lm_head gives them) sample exactly what their float32
+    upcast samples, greedy or not."""
+    logits = (torch.randn(3, 1024, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    greedy = SamplingParams(temperature=0.0)
+    plain = batch_of([request(greedy, request_id=f"g{i}") for i in range(3)], 1024)
+    assert plain.is_plain_greedy
+    assert Sampler()(logits, plain).token_ids == logits.float().argmax(dim=-1).tolist()
+    mixed = batch_of([request(greedy), request(SamplingParams(temperature=0.0, logprobs=2)),
+                      request(SamplingParams(temperature=1.0), seed=3)], 1024)
+    assert not mixed.is_plain_greedy
+    assert Sampler()(logits, mixed).token_ids == Sampler()(logits.float(), mixed).token_ids
