@@ -136,10 +136,7 @@ class BlockAllocator:
         self._check_id(block_id)
         if self._refcounts[block_id] == 0:
             raise BlockAllocatorError(f"block {block_id} is not in use; only a used block can be filled")
-        grown = num_tokens - self._fill[block_id]
-        if grown > 0:
-            self._fill[block_id] = num_tokens
-            self._tokens_in_used += grown
+        self.fill_held(block_id, num_tokens)
 
     def is_shared(self, block_id: int) -> bool:
         """Whether more than one block table holds the block (unchecked: for ids taken from a table)."""
