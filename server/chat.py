@@ -110,7 +110,8 @@ class _ChatFormatter:
         chunk, the finish reason on the last; a delta whose text is all held back makes a chunk
         only when it carries one of those."""
         output = choice.output
-        stream = self._tool_streams.setdefault(choice.index, ToolCallStream(tools.parser, tools.new_id))
+        stream = self._tool_streams.setdefault(choice.index, ToolCallStream(tools.parser, tools.new_id,
+                                                                            tools.parallel_calls))
         update = stream.feed(output.text, final=output.finished)
         if output.finished:
             del self._tool_streams[choice.index]

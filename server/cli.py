@@ -141,8 +141,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                                 "--tool-call-parser; without it such requests get a 400"),
         tools.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
                            help="how the model family writes a call: hermes (Hermes, Qwen: <tool_call>{...}"
-                                "</tool_call>), llama3_json (Llama 3.x: JSON, optionally after <|python_tag|>), "
-                                "mistral ([TOOL_CALLS][{...}])"),
+                                "</tool_call>), llama3_json (Llama 3.x: JSON, optionally after <|python_tag|>, "
+                                "several separated by ;), mistral ([TOOL_CALLS][{...}], or name[ARGS]{...} per "
+                                "[TOOL_CALLS] from tokenizer v11)"),
         caps.add_argument("--max-n", type=_positive_int, default=limits.max_n, help="largest n per request"),
         caps.add_argument("--max-logprobs", type=_non_negative_int, default=limits.max_logprobs,
                           help="largest logprobs / top_logprobs"),

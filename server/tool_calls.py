@@ -3,7 +3,8 @@ the constraint the engine enforces for it, and the parser that reads its calls b
 
     none             tools are not rendered; the answer is text
     auto             the model decides; its calls are parsed out of its text by the family parser
-                     chosen with --tool-call-parser (needs --enable-auto-tool-choice, as vLLM)
+                     chosen with --tool-call-parser (needs --enable-auto-tool-choice, as vLLM);
+                     without parallel_tool_calls only the first call is returned (as vLLM)
     required         the grammar forces [{"name": ..., "parameters": {...}}, ...] (one item unless
                      parallel_tool_calls), each item one of the tools' schemas
     named function   the grammar forces the arguments object (schema: the function's parameters)
@@ -71,6 +72,7 @@ class ToolMode:
     constraint: StructuredOutputParams | None
     parser: OutputParser
     new_id: Callable[[], str]  # the calls' ids
+    parallel_calls: bool  # parallel_tool_calls: false keeps only the first call, as vLLM
 
 
 def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None,
@@ -86,7 +88,7 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
     if tool_choice in (None, "auto"):  # OpenAI's default with tools is "auto"
         if auto_parser is None:
             raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
-        return ToolMode(None, auto_parser, new_id)
+        return ToolMode(None, auto_parser, new_id, parallel_tool_calls)
     by_name = {tool.function.name: tool.function for tool in tools}
     if isinstance(tool_choice, NamedToolChoice):
         function = by_name.get(tool_choice.function.name)
@@ -95,13 +97,13 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
                               "tool_choice")
         schema = json.dumps(_parameters(function))
         return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, schema, param="tools"),
-                        named_call_parser(function.name), new_id)
+                        named_call_parser(function.name), new_id, parallel_tool_calls)
     item = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "parameters": _parameters(f)},
                        "required": ["name", "parameters"], "additionalProperties": False}
                       for f in by_name.values()]}
     array = {"type": "array", "items": item, "minItems": 1, **({} if parallel_tool_calls else {"maxItems": 1})}
     return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(array), param="tools"), parse_required,
-                    new_id)
+                    new_id, parallel_tool_calls)
 
 
 def _parameters(function: FunctionDefinition) -> dict[str, Any]:
@@ -111,7 +113,7 @@ def _parameters(function: FunctionDefinition) -> dict[str, Any]:
 def parse_message(mode: ToolMode, text: str) -> ParsedMessage:
     """A finished output as content and calls; text that does not parse as a call (a forced
     call cut off by max_tokens, an auto reply that only looks like one) stays content."""
-    return parsed_message(mode.parser(text, True))
+    return parsed_message(mode.parser(text, True), mode.parallel_calls)
 
 
 def template_tools(tools: list[ToolDefinition] | None, mode: ToolMode | None) -> list[dict[str, Any]] | None:

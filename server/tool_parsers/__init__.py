@@ -1,6 +1,7 @@
 """Reading tool calls out of a model's text: per-family parsers for tool_choice "auto"
-(families.py), the shapes the grammar forces for "required" and named calls (forced.py), and
-the streaming diff that turns a growing text into OpenAI's tool-call deltas (stream.py)."""
+(families.py lists them: hermes.py, llama3_json.py, mistral.py), the shapes the grammar forces
+for "required" and named calls (forced.py), and the streaming diff that turns a growing text
+into OpenAI's tool-call deltas (stream.py)."""
 
 from kvserve.server.tool_parsers.call_ids import FAMILY_CALL_IDS, new_call_id
 from kvserve.server.tool_parsers.families import TOOL_CALL_PARSERS

@@ -36,6 +36,9 @@ class CallSegment:
 Segment = TextSegment | CallSegment
 OutputParser = Callable[[str, bool], list[Segment]]
 
+# A block that may still become a call or turn out to be text: it holds back the text from its start.
+UNDECIDED_CALL = CallSegment(None, "", complete=False)
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -49,13 +52,23 @@ class ParsedMessage:
     calls: list[ParsedCall]
 
 
-def parsed_message(segments: Sequence[Segment]) -> ParsedMessage:
-    """The final view as a message. The text outside the calls is the content; blanks trailing
-    it are dropped when there are calls (the newlines a model writes around its call markers),
-    and content that is empty becomes None, as OpenAI sends a message that only calls tools."""
-    calls = [ParsedCall(s.name, s.arguments) for s in segments
-             if isinstance(s, CallSegment) and s.complete and s.name is not None]
-    content = "".join(s.text for s in segments if isinstance(s, TextSegment))
+def parsed_message(segments: Sequence[Segment], parallel_calls: bool = True) -> ParsedMessage:
+    """The final view as a message. The text outside the calls is the content, less the blanks
+    right before each call and, when there are calls, at its end (the newlines and spaces a
+    model writes around its call markers); content that is empty becomes None, as OpenAI sends
+    a message that only calls tools. Without parallel_calls (the request's parallel_tool_calls
+    false) only the first call is kept and later ones are dropped, as vLLM does; the text around
+    them stays content."""
+    calls: list[ParsedCall] = []
+    content = ""
+    for segment in segments:
+        if isinstance(segment, TextSegment):
+            content += segment.text
+        elif segment.complete and segment.name is not None:
+            calls.append(ParsedCall(segment.name, segment.arguments))
+            content = content.rstrip()
+    if not parallel_calls:
+        calls = calls[:1]
     if calls:
         content = content.rstrip()
     return ParsedMessage(content or None, calls)

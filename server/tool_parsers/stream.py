@@ -12,8 +12,11 @@ announced that then fails to parse (only when the reply is cut off inside it) is
 Each delta re-parses the whole text: that keeps parsers pure functions of the text, and costs
 little because text outside calls is searched for markers by str.find and calls are short (the
 work per delta grows with the calls written so far, not with the reply).
-Blank text is held until more text follows it, and dropped at the end when there were calls:
-that keeps the streamed content equal to the non-streamed one (segments.parsed_message).
+Blank text is held until more text follows it, and dropped when a call follows it or, at the
+end, when there were calls: that keeps the streamed content equal to the non-streamed one
+(segments.parsed_message).
+Without parallel calls (parallel_tool_calls false) only the first call is announced; later
+ones are never sent (vLLM sends only index 0), and the text around them still streams.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class _Sent:
     text_chars: int = 0
     call_index: int | None = None  # set once the call was announced
     argument_chars: int = 0
+    call_started: bool = False  # a call began here (announced or, past the first without parallel calls, not)
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,11 @@ class StreamDelta:
 
 
 class ToolCallStream:
-    def __init__(self, parser: OutputParser, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(self, parser: OutputParser, new_id: Callable[[], str] = new_call_id,
+                 parallel_calls: bool = True) -> None:
         self._parser = parser
         self._new_id = new_id
+        self._parallel_calls = parallel_calls
         self._text = ""
         self._sent: list[_Sent] = []
         self._calls_announced = 0
@@ -54,7 +60,7 @@ class ToolCallStream:
     def feed(self, text: str, final: bool) -> StreamDelta:
         self._text += text
         segments = self._parser(self._text, final)
-        content: list[str] = []
+        shown: list[str] = []
         calls: list[dict[str, Any]] = []
         for position, segment in enumerate(segments):
             if position == len(self._sent):
@@ -62,17 +68,23 @@ class ToolCallStream:
             sent = self._sent[position]
             if isinstance(segment, TextSegment):
                 if sent.call_index is None:  # an announced call that failed stays as sent
-                    content.append(segment.text[sent.text_chars:])
+                    shown.append(self._show(segment.text[sent.text_chars:]))
                     sent.text_chars = len(segment.text)
-            else:
-                calls.extend(self._call_deltas(segment, sent))
-        has_calls = final and bool(parsed_message(segments).calls)
-        return StreamDelta(self._content("".join(content), final, has_calls), calls, has_calls)
+                continue
+            if segment.started and not sent.call_started:
+                sent.call_started = True
+                self._blank = ""  # the blanks before a call are not content
+            calls.extend(self._call_deltas(segment, sent))
+        has_calls = final and bool(parsed_message(segments, self._parallel_calls).calls)
+        if final and not has_calls:
+            shown.append(self._blank)
+            self._blank = ""
+        return StreamDelta("".join(shown), calls, has_calls)
 
     def _call_deltas(self, call: CallSegment, sent: _Sent) -> list[dict[str, Any]]:
         deltas = []
         if sent.call_index is None:
-            if not call.started:
+            if not call.started or (self._calls_announced and not self._parallel_calls):
                 return []
             sent.call_index = self._calls_announced
             self._calls_announced += 1
@@ -83,10 +95,9 @@ class ToolCallStream:
             sent.argument_chars = len(call.arguments)
         return deltas
 
-    def _content(self, new: str, final: bool, has_calls: bool) -> str:
+    def _show(self, new: str) -> str:
+        """`new` text as far as it can be shown: blanks at its end wait for what follows."""
         pending = self._blank + new
         shown = pending.rstrip()
         self._blank = pending[len(shown):]
-        if final and not has_calls:
-            shown, self._blank = shown + self._blank, ""
         return shown

@@ -48,6 +48,32 @@ def test_openai_stream_helper_reassembles_auto_calls_as_the_non_streamed_reply()
     assert streamed == whole and names == ["get_weather", "get_weather"]
 
 
+FAMILY_SCRIPTS = [
+    ("llama3_json", 'Sure! {"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Z\u00fcrich"}}', "Sure!"),
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                '[TOOL_CALLS]get_weather[ARGS]{"city": "Z\u00fcrich"}', "Checking."),
+]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize(("parser", "script", "content"), FAMILY_SCRIPTS, ids=["llama3_json", "mistral-v11"])
+def test_openai_stream_helper_reassembles_each_family_as_the_non_streamed_reply(parser, script, content, parallel):
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser=parser)
+    with live_server(build_app(ScriptedEngine(script, chars_per_step=2), settings)) as url:
+        client = client_for(url)
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+                "parallel_tool_calls": parallel}
+        whole = summary(client.chat.completions.create(**body))
+        with client.chat.completions.stream(**body) as stream:
+            for _ in stream:
+                pass
+            streamed = summary(stream.get_final_completion())
+    calls = [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Z\u00fcrich"}')]
+    assert whole == ("tool_calls", content, calls if parallel else calls[:1])
+    assert streamed == whole
+
+
 # Shown one call in its history, SmolLM2-135M-Instruct (whose chat template does not render tools)
 # answers the next question with a call in the same format, greedily.
 FEW_SHOT = [

@@ -86,12 +86,20 @@ MODES = [
      [("get_weather", WEATHER)], "tool_calls"),
     ("auto", f'Checking. [TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}]', "mistral", "Checking.",
      [("get_weather", WEATHER)], "tool_calls"),
+    ("auto", f'Sure! {{"name": "get_weather", "parameters": {WEATHER}}}; {{"name": "get_time", "parameters": {{}}}}',
+     "llama3_json", "Sure!", AUTO_CALLS, "tool_calls"),
+    ("auto", f'Checking.[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]get_time[ARGS]{{}}', "mistral", "Checking.",
+     AUTO_CALLS, "tool_calls"),
+    ("auto", f'get_weather{WEATHER}get_time{{}}', "mistral", None, AUTO_CALLS, "tool_calls"),  # markers skipped
+    ("auto", '[TOOL_CALLS]get weather{"city": "Paris"}', "mistral", '[TOOL_CALLS]get weather{"city": "Paris"}', [],
+     "stop"),  # malformed: content, never an error
     ("required", f'[{{"name": "get_weather", "parameters": {WEATHER}}}, {{"name": "get_time", "parameters": {{}}}}]',
      None, None, AUTO_CALLS, "tool_calls"),
     ({"type": "function", "function": {"name": "get_weather"}}, WEATHER, None, None, [("get_weather", WEATHER)],
      "tool_calls"),
 ]
-MODE_IDS = ["none", "auto-hermes", "auto-no-call", "auto-llama3", "auto-mistral", "required", "named"]
+MODE_IDS = ["none", "auto-hermes", "auto-no-call", "auto-llama3", "auto-mistral", "auto-llama3-text-first",
+            "auto-mistral-v11", "auto-mistral-v11-bare", "auto-mistral-malformed", "required", "named"]
 
 
 @pytest.mark.parametrize(("tool_choice", "script", "parser", "content", "calls", "finish"), MODES, ids=MODE_IDS)
@@ -181,3 +189,35 @@ async def test_auto_leaves_the_output_unconstrained_and_forced_modes_constrain_i
         for tool_choice, constrained in [("auto", False), ("required", True), ("none", False)]:
             await http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": tool_choice})
             assert (engine.last_params.structured_output is not None) == constrained
+
+
+# The same two calls in each family's format: with parallel_tool_calls false only the first is returned.
+TWO_CALLS = [("hermes", HERMES_REPLY, "Let me look."),
+             ("llama3_json", f'{{"name": "get_weather", "parameters": {WEATHER}}}; '
+                             '{"name": "get_time", "parameters": {}}', None),
+             ("mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}, '
+                         '{"name": "get_time", "arguments": {}}]', None),
+             ("mistral", f'Checking.[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]get_time[ARGS]{{}}', "Checking.")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("parser", "script", "content"), TWO_CALLS, ids=["hermes", "llama3", "mistral", "mistral-v11"])
+async def test_auto_without_parallel_tool_calls_returns_only_the_first_call(parser, script, content, stream):
+    both = await chat(script, {"stream": stream}, parser, chars_per_step=2)
+    first = await chat(script, {"stream": stream, "parallel_tool_calls": False}, parser, chars_per_step=2)
+    read = streamed if stream else message_of
+    assert read(both)[:3] == (content, AUTO_CALLS, "tool_calls")
+    assert read(first)[:3] == (content, AUTO_CALLS[:1], "tool_calls")
+    if stream:
+        indexes = {e["index"] for d in streamed(first)[3] for e in d.get("tool_calls", [])}
+        assert indexes == {0}
+
+
+async def test_required_without_parallel_tool_calls_asks_the_grammar_for_one_call():
+    engine = ScriptedEngine(f'[{{"name": "get_weather", "parameters": {WEATHER}}}]')
+    async with app_client(engine.script, engine=engine) as http:
+        for parallel, max_items in [(True, None), (False, 1)]:
+            response = await http.post("/v1/chat/completions", json={
+                "messages": USER, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": parallel})
+            assert message_of(response)[1] == [("get_weather", WEATHER)]
+            assert json.loads(engine.last_params.structured_output.spec).get("maxItems") == max_items

@@ -41,6 +41,18 @@ TYPICAL = [
     ("llama3_json", f'<|python_tag|>{{"name": "a", "parameters": {WEATHER}}}; {{"name": "b", "arguments": {NESTED}}}',
      None, calls(("a", WEATHER), ("b", NESTED))),
     ("llama3_json", f' {{"name": "a", "parameters": {{}}}}\nI called a.', "\nI called a.", calls(("a", "{}"))),
+    # Llama 3.x often writes a few words first; several calls are separated by semicolons.
+    ("llama3_json", f'Sure! {{"name": "get_weather", "parameters": {WEATHER}}}', "Sure!",
+     calls(("get_weather", WEATHER))),
+    ("llama3_json", f'Sure! <|python_tag|>{{"name": "a", "parameters": {WEATHER}}}; '
+                    f'{{"name": "b", "parameters": {NESTED}}}', "Sure!", calls(("a", WEATHER), ("b", NESTED))),
+    ("llama3_json", '{"name": "a", "parameters": {}};{"name": "b", "parameters": {}};', None,
+     calls(("a", "{}"), ("b", "{}"))),
+    ("llama3_json", f'Checking.\n{{"name": "a", "parameters": {WEATHER}}}\n{{"name": "b", "arguments": {{}}}}\nDone.',
+     "Checking.\nDone.", calls(("a", WEATHER), ("b", "{}"))),
+    # JSON that is not a call is text, and the search for calls goes on after it.
+    ("llama3_json", f'Here: {{"city": "Paris"}} and {{"name": "a", "parameters": {{}}}}', 'Here: {"city": "Paris"} and',
+     calls(("a", "{}"))),
     ("mistral", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}]', None,
      calls(("get_weather", WEATHER))),
     ("mistral", f'Sure. [TOOL_CALLS] [{{"name": "a", "arguments": {WEATHER}}}, {{"name": "b", "arguments": {NESTED}}}]',
@@ -48,6 +60,17 @@ TYPICAL = [
     # [TOOL_CALLS] is a control token: with special tokens skipped the reply is the bare array.
     ("mistral", f'[{{"name": "a", "arguments": {WEATHER}}}]', None, calls(("a", WEATHER))),
     ("mistral", f'[TOOL_CALLS]{{"name": "a", "arguments": {WEATHER}}}', None, calls(("a", WEATHER))),
+    # Tokenizer v11+: [TOOL_CALLS]name[ARGS]{...} per call.
+    ("mistral", f'[TOOL_CALLS]get_weather[ARGS]{WEATHER}', None, calls(("get_weather", WEATHER))),
+    ("mistral", f'Sure.[TOOL_CALLS]a[ARGS]{WEATHER}[TOOL_CALLS]b[ARGS]{NESTED}', "Sure.",
+     calls(("a", WEATHER), ("b", NESTED))),
+    ("mistral", '[TOOL_CALLS]add{"a": 3.5, "b": 4}[TOOL_CALLS]multiply{"a": 3, "b": 6}', None,
+     calls(("add", '{"a": 3.5, "b": 4}'), ("multiply", '{"a": 3, "b": 6}'))),
+    ("mistral", f'[TOOL_CALLS]get-weather_2[ARGS]{WEATHER}\nDone.', "\nDone.", calls(("get-weather_2", WEATHER))),
+    # ... and with special tokens skipped ([TOOL_CALLS] and [ARGS] gone), calls that open the reply.
+    ("mistral", f'get_weather{WEATHER}', None, calls(("get_weather", WEATHER))),
+    ("mistral", f'a{WEATHER}b{NESTED}', None, calls(("a", WEATHER), ("b", NESTED))),
+    ("mistral", f'a{WEATHER} b{{}} That is all.', " That is all.", calls(("a", WEATHER), ("b", "{}"))),
 ]
 
 # Text that looks like a call but is not one stays content, whole.
@@ -59,11 +82,20 @@ NOT_CALLS = [
     ("hermes", '<tool_call>{"name": "", "arguments": {}}</tool_call>'),
     ("hermes", "I would write </tool_call> here"),
     ("llama3_json", '{"city": "Paris"}'),  # JSON, but no call
-    ("llama3_json", 'The answer is {"name": "a", "parameters": {}}'),  # a call must open the reply
     ("llama3_json", '<|python_tag|>print("hi")'),
+    ("llama3_json", '{"data": {"name": "a", "parameters": {}}}'),  # call-shaped data inside JSON
+    ("llama3_json", 'Code: f() { return 1; } {"name": "a", "parameters": {}}'),  # text that is not JSON ends the calls
+    ("llama3_json", "Sets like {1, 2} and <|python_tag|>"),
     ("mistral", "[1, 2, 3] are numbers"),
     ("mistral", '[TOOL_CALLS]'),
     ("mistral", "[TOOL"),
+    ("mistral", "Hello"),
+    ("mistral", "Hello world, no tools."),
+    ("mistral", "Sure{ that is it }"),
+    ("mistral", "a[ARGS]"),
+    ("mistral", "[TOOL_CALLS]a[ARGS]not json"),
+    ("mistral", '[TOOL_CALLS]bad name{"x": 1}'),
+    ("mistral", 'Text first, then a{"x": 1}'),  # without markers only a reply that opens with calls has them
 ]
 
 
@@ -73,6 +105,10 @@ BROKEN_AFTER_START = [
     ("hermes", '<tool_call>{"name": "a", "arguments": {"x": 1', '{"x": '),
     ("llama3_json", '{"name": "a", "parameters": {"x": tru}}', '{"x": tru'),
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}, oops]', "{}"),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": 1', '{"x": '),
+    ("mistral", 'a{"x": tru}', '{"x": tru'),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": "\\q"}', '{"x": "\\q"'),  # a bad escape: not JSON
+    ("llama3_json", '{"name": "a", "parameters": {}', "{"),  # cut off: the final "}" is not streamed
 ]
 
 
@@ -189,3 +225,31 @@ def test_a_call_that_breaks_after_it_was_announced_is_left_as_sent(family, text,
     content, assembled, has_calls, _ = stream(TOOL_CALL_PARSERS[family], text, list(range(1, len(text))))
     assert assembled[0] == {"name": "a", "arguments": sent_arguments}
     assert content == "" and not has_calls  # finish_reason stays the engine's
+
+
+# ------------------------------------------------------------------------- parallel_tool_calls
+
+@pytest.mark.parametrize(("parser", "text"), ALL_OUTPUTS)
+def test_without_parallel_calls_at_most_the_first_call_is_returned_streamed_or_not(parser, text):
+    everything = parsed_message(parser(text, True))
+    expected = parsed_message(parser(text, True), parallel_calls=False)
+    assert expected.calls == everything.calls[:1] and expected.content == everything.content
+    for cuts in [list(range(1, len(text))), random_cuts(text, random.Random(len(text)))]:
+        tool_stream = ToolCallStream(parser, parallel_calls=False)
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        deltas = [tool_stream.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+        entries = [entry for delta in deltas for entry in delta.tool_calls]
+        assert {entry["index"] for entry in entries} <= {0}
+        announced = [entry["function"]["name"] for entry in entries if "id" in entry]
+        assert announced == [call.name for call in expected.calls]
+        assert "".join(entry["function"]["arguments"] for entry in entries) == "".join(
+            call.arguments for call in expected.calls)
+        assert ("".join(d.content for d in deltas) or None) == expected.content
+        assert deltas[-1].has_calls == bool(expected.calls)
+
+
+def test_without_parallel_calls_the_text_around_a_dropped_call_stays_content():
+    text = ('Both. <tool_call>{"name": "a", "arguments": {}}</tool_call> and '
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call> done')
+    assert parsed_message(TOOL_CALL_PARSERS["hermes"](text, True), parallel_calls=False) == ParsedMessage(
+        "Both. and done", calls(("a", "{}")))
