@@ -4,12 +4,14 @@ this parser reads either, by the text after the marker):
 
     before v11 (Mistral 7B v0.3, Mixtral, Nemo)    Sure. [TOOL_CALLS][{"name": "a", "arguments": {...}}, ...]
     v11 and later (Mistral Small 3.1+, Devstral)   Sure. [TOOL_CALLS]a[ARGS]{...}[TOOL_CALLS]b[ARGS]{...}
+                                                   (or a[CALL_ID]id[ARGS]{...}, as mistral-common decodes)
 
 [TOOL_CALLS] and [ARGS] are control tokens: with special tokens skipped (the default) they
 vanish, and the reply reads `[{"name": ...}]` or `a{...}b{...}`. Without the markers nothing
 tells a call from text, so then only a reply that opens with calls has them (a bare JSON array
 of calls, or name{...} pairs one after another); text before a call needs the markers
 (`"skip_special_tokens": false` in the request, which is what vLLM sets for this parser).
+Streamed, a reply's first word waits until the character after it shows it is no call name.
 
 The text before, between and after calls is content. Unlike vLLM, which returns a v11 call
 whose arguments are not JSON as a call anyway, such a call stays text.
@@ -27,6 +29,7 @@ from kvserve.server.tool_parsers.segments import (UNDECIDED_CALL, CallSegment, S
 
 MISTRAL_MARKER = "[TOOL_CALLS]"
 ARGS_MARKER = "[ARGS]"
+CALL_ID_MARKER = "[CALL_ID]"  # mistral-common v11 with call ids: name[CALL_ID]id[ARGS]{...}
 # OpenAI's alphabet for function names; the name ends where [ARGS] or the arguments' `{` begins.
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-")
 
@@ -120,8 +123,9 @@ def _calls_at(text: str, body: int, marked: bool, final: bool) -> tuple[list[Seg
 
 
 def _scan_named_call(text: str, pos: int) -> tuple[CallSegment, int | None]:
-    """name[ARGS]{...} (v11+; [ARGS] absent when special tokens are skipped) at `pos`: the call
-    and the index after it, or None while it is still being written."""
+    """name[ARGS]{...} or name[CALL_ID]id[ARGS]{...} (v11+; the markers are absent when special
+    tokens are skipped) at `pos`: the call and the index after it, or None while it is still
+    being written. The model's own call id is not kept: the server gives every call its id."""
     name_end = pos
     while name_end < len(text) and text[name_end] in _NAME_CHARS:
         name_end += 1
@@ -131,10 +135,18 @@ def _scan_named_call(text: str, pos: int) -> tuple[CallSegment, int | None]:
         return UNDECIDED_CALL, None  # the name may go on
     name = text[pos:name_end]
     arguments = name_end
-    if text.startswith(ARGS_MARKER, name_end):
-        arguments = name_end + len(ARGS_MARKER)
-    elif ARGS_MARKER.startswith(text[name_end:]):
-        return UNDECIDED_CALL, None  # the start of [ARGS]
+    if text.startswith(CALL_ID_MARKER, arguments):
+        arguments += len(CALL_ID_MARKER)
+        while arguments < len(text) and text[arguments].isalnum():
+            arguments += 1
+        if not text.startswith(ARGS_MARKER, arguments):
+            if ARGS_MARKER.startswith(text[arguments:]):
+                return CallSegment(name, "", complete=False), None  # the id, or [ARGS], goes on
+            raise Malformed
+    elif any(m.startswith(text[arguments:]) for m in (ARGS_MARKER, CALL_ID_MARKER)):
+        return UNDECIDED_CALL, None  # the start of a marker
+    if text.startswith(ARGS_MARKER, arguments):
+        arguments += len(ARGS_MARKER)
     if arguments == len(text):
         return CallSegment(name, "", complete=False), None
     if text[arguments] != "{":

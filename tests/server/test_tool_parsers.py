@@ -67,6 +67,8 @@ TYPICAL = [
     ("mistral", '[TOOL_CALLS]add{"a": 3.5, "b": 4}[TOOL_CALLS]multiply{"a": 3, "b": 6}', None,
      calls(("add", '{"a": 3.5, "b": 4}'), ("multiply", '{"a": 3, "b": 6}'))),
     ("mistral", f'[TOOL_CALLS]get-weather_2[ARGS]{WEATHER}\nDone.', "\nDone.", calls(("get-weather_2", WEATHER))),
+    ("mistral", f'[TOOL_CALLS]a[CALL_ID]x1Y2z3W4v[ARGS]{WEATHER}[TOOL_CALLS]b[CALL_ID]k9[ARGS]{{}}', None,
+     calls(("a", WEATHER), ("b", "{}"))),
     # ... and with special tokens skipped ([TOOL_CALLS] and [ARGS] gone), calls that open the reply.
     ("mistral", f'get_weather{WEATHER}', None, calls(("get_weather", WEATHER))),
     ("mistral", f'a{WEATHER}b{NESTED}', None, calls(("a", WEATHER), ("b", NESTED))),
@@ -95,6 +97,8 @@ NOT_CALLS = [
     ("mistral", "a[ARGS]"),
     ("mistral", "[TOOL_CALLS]a[ARGS]not json"),
     ("mistral", '[TOOL_CALLS]bad name{"x": 1}'),
+    ("mistral", '[TOOL_CALLS]a[CALL_ID]x y[ARGS]{"x": 1}'),
+    ("mistral", '[TOOL_CALLS]a[CALL_ID]xy{"x": 1}'),  # [ARGS] must follow the id
     ("mistral", 'Text first, then a{"x": 1}'),  # without markers only a reply that opens with calls has them
 ]
 

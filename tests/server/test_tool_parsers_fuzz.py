@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from kvserve.server.tool_parsers import (TOOL_CALL_PARSERS, OutputParser, ParsedCall, ToolCallStream,
                                          named_call_parser, parse_required, parsed_message)
 
-FRAGMENTS = ["[TOOL_CALLS]", "[ARGS]", "<tool_call>", "</tool_call>", "<|python_tag|>", "{", "}", "[", "]", ":", ",",
+FRAGMENTS = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<tool_call>", "</tool_call>", "<|python_tag|>", "{", "}", "[", "]", ":", ",",
              ";", " ", "\n", '"', "\\", '"name"', '"arguments"', '"parameters"', '"a"', '"x"', "a", "get_weather",
              "1", "-2.5e3", "true", "nul", "{}", '"\\u00e9"', "Sure!", "é"]
 # Whole calls in each family's format, drawn as often as all fragments together: the mixes hold
 # calls between text, blanks and broken pieces.
 CALLS = ['{"name": "a", "arguments": {"x": 1}}', '{"parameters": {}, "name": "b"}', '[{"name": "a", "arguments": {}}]',
          'get_weather{"x": [1]}', '<tool_call>{"name": "a", "arguments": {}}</tool_call>', '[TOOL_CALLS]a[ARGS]{}',
-         '[TOOL_CALLS][{"name": "b", "arguments": {"y": "z"}}]']
+         '[TOOL_CALLS][{"name": "b", "arguments": {"y": "z"}}]', '[TOOL_CALLS]c[CALL_ID]a1b2[ARGS]{"k": null}']
 PARSERS: list[OutputParser] = [*TOOL_CALL_PARSERS.values(), named_call_parser("f"), parse_required]
 
 outputs = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.sampled_from(CALLS)), max_size=16).map("".join)
