@@ -11,7 +11,8 @@ not content. <|python_tag|> is a control token that vanishes when special tokens
 
 A `{` that opens no call: a complete JSON value is text as a whole (a call-shaped object nested
 in it is data, not a call); text that is not JSON ends the search, the rest of the reply is text
-(vLLM turns the whole reply into content in both cases).
+(vLLM turns the whole reply into content in both cases). Streamed, the text from a `{` on waits
+until the object is known to be a call or not.
 """
 
 from __future__ import annotations
