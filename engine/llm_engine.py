@@ -200,8 +200,12 @@ class LLMEngine:
             child_id = update.request.request_id
             group = self.tracker.group_of(child_id)
             touched[group.request_id] = group
-            stop_string = self.tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now)
             request = update.request
+            # The scheduler's stop check ends a request on its EOS / stop token id (reason STOP);
+            # stop strings end it below, after detokenizing.
+            ended_by_stop_token = update.finished and request.finish_reason is FinishReason.STOP
+            stop_string = self.tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now,
+                                                 ended_by_stop_token)
             # No mask: no row of this step is constrained (a constrained row that did not sample
             # gained no token and cannot have finished), so there is nothing to advance.
             if token_mask is not None and child_id in self.structured_output:

@@ -160,9 +160,14 @@ class OutputTracker:
             entry[1].metrics.first_scheduled_time = now
 
     def on_tokens(
-        self, child_id: str, token_ids: list[int], logprobs: list[TokenLogprobs | None], now: float
+        self, child_id: str, token_ids: list[int], logprobs: list[TokenLogprobs | None], now: float,
+        ended_by_stop_token: bool = False,
     ) -> str | None:
-        """Records new tokens; returns the stop string if the text now contains one."""
+        """Records new tokens; returns the stop string if the text now contains one.
+
+        ended_by_stop_token: the last token is the EOS or stop token id that ended the completion.
+        Its id is kept, but its text is left out unless include_stop_str_in_output (as vLLM): with
+        skip_special_tokens off, "<|im_end|>" would otherwise end every reply."""
         group, state = self.completions[child_id]
         if not token_ids:
             return None
@@ -177,6 +182,8 @@ class OutputTracker:
                 if entry is not None:
                     state.new_logprobs.append(entry)
                     state.cumulative_logprob += entry.logprob
+        if ended_by_stop_token and not state.request.sampling_params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
         update = state.detokenizer.append(token_ids)
         if update.new_text:
             state.new_text.append(update.new_text)

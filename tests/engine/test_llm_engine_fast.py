@@ -31,7 +31,9 @@ class ByteTokenizer:
         return [b + 1 for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i - 1 for i in ids if i != EOS).decode("utf-8", errors="replace")
+        # EOS is the one special token: skipped, or shown as "<eos>" (as "<|im_end|>" would be).
+        pieces = [b"<eos>" if i == EOS else bytes([i - 1]) for i in ids if i != EOS or not skip_special_tokens]
+        return b"".join(pieces).decode("utf-8", errors="replace")
 
 
 class ScriptedRunner:
@@ -122,6 +124,22 @@ def test_stop_token_id_is_the_stop_reason() -> None:
     whole = final(run(engine)["r"]).outputs[0]
     assert (whole.token_ids[-1], whole.finish_reason, whole.stop_reason) == (ord("c") + 1, "stop", ord("c") + 1)
     assert len(whole.token_ids) == 3
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_ending_token_s_text_is_left_out_unless_asked_for(include: bool) -> None:
+    # vLLM's behaviour: EOS or a stop token id ends the reply without its text (which shows when
+    # special tokens are not skipped); its id stays in token_ids. include_stop_str_in_output keeps it.
+    engine = make_engine({"eos": "ok", "tok": "abcdef", "len": "xyz"})
+    params = {"skip_special_tokens": False, "include_stop_str_in_output": include}
+    engine.add_request("eos", "hi", SamplingParams(max_tokens=10, **params))
+    engine.add_request("tok", "hi", SamplingParams(max_tokens=10, stop_token_ids=[ord("c") + 1], **params))
+    engine.add_request("len", "hi", SamplingParams(max_tokens=2, **params))
+    outputs = {request_id: final(deltas).outputs[0] for request_id, deltas in run(engine).items()}
+    assert outputs["eos"].token_ids == [ord("o") + 1, ord("k") + 1, EOS]
+    assert outputs["eos"].text == ("ok<eos>" if include else "ok")
+    assert outputs["tok"].text == ("abc" if include else "ab")
+    assert (outputs["len"].text, outputs["len"].finish_reason) == ("xy", "length")
 
 
 def test_stop_string_split_over_steps_is_held_back_then_cut() -> None:
