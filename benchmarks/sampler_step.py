@@ -1,5 +1,7 @@
 """Sampler cost per decode step: building the SamplingBatch (the per-request Python work) and
-running the Sampler on [rows, vocab] logits, for batches that mix what requests ask for.
+running the Sampler on [rows, vocab] logits, for batches that mix what requests ask for. The
+grammar-masked mix also applies a structured-output token mask (a random bitmask, as xgrammar
+fills it) to every 8th row before sampling, timed in the sampler column.
 
 Every row starts with a 128-token prompt and `--output-len` output tokens and gains one token per
 step, as in steady decode, so any per-step work that grows with the output so far shows up.
@@ -17,6 +19,7 @@ import time
 import torch
 
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
+from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
 from kvserve.scheduler.output import ScheduledRequest
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -34,7 +37,10 @@ MIXES = {
     "half top-p sampling": lambda i: RANDOM if i % 2 else GREEDY,
     "1/4 penalties, rest greedy": lambda i: PENALTIES if i % 4 == 0 else GREEDY,
     "1/8 logprobs, rest greedy": lambda i: LOGPROBS if i % 8 == 0 else GREEDY,
+    "1/8 grammar-masked, greedy": lambda i: GREEDY,
 }
+# Mixes whose every 8th row is under a grammar's token mask.
+MASKED_MIXES = {"1/8 grammar-masked, greedy"}
 
 
 def make_rows(num_rows: int, output_len: int, params_of) -> list[ScheduledRequest]:
@@ -48,10 +54,13 @@ def make_rows(num_rows: int, output_len: int, params_of) -> list[ScheduledReques
     return rows
 
 
-def measure(num_rows: int, params_of, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+def measure(num_rows: int, params_of, masked: bool, args: argparse.Namespace) -> tuple[list[float], list[float]]:
     generator = torch.Generator().manual_seed(0)
     # Peaked like a language model's: a top-0.95 nucleus of tens to hundreds of tokens, not 40k.
     logits = torch.randn(num_rows, VOCAB_SIZE, generator=generator) * 4
+    mask_rows = torch.arange(0, num_rows, 8)
+    mask = TokenMask(mask_rows, torch.randint(-2**31, 2**31 - 1, (len(mask_rows), VOCAB_SIZE // 32), dtype=torch.int32,
+                                              generator=generator)) if masked else None
     rows = make_rows(num_rows, args.output_len, params_of)
     sampler = Sampler()
     build, sample = [], []
@@ -59,7 +68,7 @@ def measure(num_rows: int, params_of, args: argparse.Namespace) -> tuple[list[fl
         start = time.perf_counter()
         batch = SamplingBatch.from_requests(rows, VOCAB_SIZE, EOS, torch.device("cpu"))
         built = time.perf_counter()
-        out = sampler(logits, batch)
+        out = sampler(logits if mask is None else apply_token_mask(logits, mask), batch)
         done = time.perf_counter()
         for row, token in zip(rows, out.token_ids):  # the scheduler appends the sampled token
             row.output_token_ids.append(token)
@@ -79,7 +88,7 @@ def main() -> None:
     print(f"sampler per decode step, vocab {VOCAB_SIZE}, {args.steps} steps, min / median ms")
     for num_rows in args.rows:
         for name, params_of in MIXES.items():
-            build, sample = measure(num_rows, params_of, args)
+            build, sample = measure(num_rows, params_of, name in MASKED_MIXES, args)
             print(f"  {num_rows:4d} rows  {name:28s} batch {min(build) * 1e3:7.3f} / {statistics.median(build) * 1e3:7.3f}"
                   f"   sampler {min(sample) * 1e3:7.3f} / {statistics.median(sample) * 1e3:7.3f}")
 

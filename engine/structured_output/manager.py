@@ -64,12 +64,15 @@ class StructuredOutputManager:
         if matcher is None:
             return
         for token in token_ids:
-            if matcher.is_terminated():
-                return  # the grammar is complete; what follows (EOS, or ignore_eos text) is free
             if not matcher.accept_token(token):
                 # Only a forbidden token can get here (e.g. forced by logit_bias on an all -inf
                 # row); stop constraining rather than fail the request.
                 logger.warning("request %s: token %d does not fit its grammar; no longer constrained",
                                request_id, token)
+                self.remove(request_id)
+                return
+            if matcher.is_terminated():
+                # The grammar took its stop token: what follows (ignore_eos text) is free, and a
+                # terminated matcher has no next-token mask to fill.
                 self.remove(request_id)
                 return
