@@ -141,3 +141,17 @@ def test_a_fresh_prompt_with_a_block_past_the_cache_is_refused() -> None:
     tables[0, 4] = batch.key_cache.shape[0]
     with pytest.raises(ValueError, match=r"block_tables\[0, 4\] = \d+ is outside"):
         cpu_paged_attention(batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens, batch.query_start_loc, batch.scale, 1.0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_long_contexts_and_chunks_across_softmax_segments_match_the_torch_path(head_dim: int, block_size: int) -> None:
+    # bf16 tiles of <= 16 rows take AMX where the CPU has it, the softmax in segments of 256 keys:
+    # contexts past one segment, chunks whose first rows see none of a later segment's keys, a
+    # group of 16 (a full tile), partial chunks and blocks of 8 (two blocks a chunk).
+    for num_kv_heads, group in [(3, 3), (1, 16), (2, 1)]:
+        batch = make_batch([600, 270, 257, 1, 513], [1, 30, 5, 1, 1], num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                           dtype=torch.bfloat16, block_size=block_size, seed=head_dim + block_size)
+        scales = dict(k_scale=0.5, v_scale=2.0)
+        torch.testing.assert_close(_kernel(batch, **scales).float(), torch_paged_attention(*batch.attention_args(), **scales).float(),
+                                   **TOLERANCES[torch.bfloat16])
