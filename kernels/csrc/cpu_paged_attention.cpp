@@ -351,6 +351,15 @@ void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int6
   }
 }
 
+template <typename kv_t>
+void prefetch_rows(const kv_t* rows, int64_t count, int64_t stride, int64_t head_dim) {
+  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(kv_t));
+  for (int64_t j = 0; j < count; ++j) {
+    const char* row = reinterpret_cast<const char*>(rows + j * stride);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
+  }
+}
+
 constexpr int64_t kAmxMaxRows = 16;  // a tile's rows
 
 #ifdef __AMX_BF16__
@@ -463,6 +472,9 @@ void segment_amx(int64_t k_stride, int64_t v_stride, int64_t rows, int64_t first
   const int64_t count = static_cast<int64_t>(a.chunks.size());
   for (int64_t c = 0; c < count; ++c) {  // S^T of each chunk
     const AmxChunk& chunk = a.chunks[c];
+    // Blocks lie anywhere in memory: ask for the next chunk's keys, and this one's values for P x V.
+    if (c + 1 < count) prefetch_rows(a.chunks[c + 1].k_rows, a.chunks[c + 1].n, k_stride, head_dim);
+    prefetch_rows(chunk.v_rows, chunk.n, v_stride, head_dim);
     const c10::BFloat16* keys = chunk.k_rows;
     int64_t keys_stride = k_stride;
     if (chunk.n < kChunk) {  // the cache's rows past the chunk may lie past the block (or the cache): pad a copy
@@ -496,9 +508,10 @@ void segment_amx(int64_t k_stride, int64_t v_stride, int64_t rows, int64_t first
     for (int64_t r = 0; r < rows; ++r) std::memset(weights_at(count, r), 0, 32);
   }
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t position = first_position + r / group;
     Vec segment_max = minus_inf;
     for (int64_t c = 0; c < count; ++c) {
-      const int64_t visible = std::min(a.chunks[c].n, first_position + r / group - a.chunks[c].first_key + 1);
+      const int64_t visible = std::min(a.chunks[c].n, position - a.chunks[c].first_key + 1);
       const Vec scores = (Vec)_mm512_i32gather_ps(column, scores_t + c * kChunk * kChunk + r, 4) * scale;
       a.scores[c] = lane < static_cast<float>(visible) ? scores : minus_inf;
       segment_max = vmax(segment_max, a.scores[c]);
@@ -594,15 +607,6 @@ void chunk_row_block(int64_t count, const src_t* k_rows, int64_t k_stride, const
   }
 }
 
-template <typename kv_t>
-void prefetch_rows(const kv_t* rows, int64_t count, int64_t stride, int64_t head_dim) {
-  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(kv_t));
-  for (int64_t j = 0; j < count; ++j) {
-    const char* row = reinterpret_cast<const char*>(rows + j * stride);
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
-  }
-}
-
 // kVectors = head_dim / 16 when it is a compile-time constant (the common head dims), else 0.
 template <typename q_t, typename kv_t, int kVectors>
 void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch& a) {
@@ -666,7 +670,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
     const kv_t* v_block = value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h;
     if (b + 1 < num_blocks) {  // blocks lie anywhere in memory: ask for the next one while this one computes
       block = block_id(b + 1);
-      const int64_t next_n = std::min(B, num_keys - (b + 1) * B);
+      const int64_t next_n = amx ? 0 : std::min(B, num_keys - (b + 1) * B);  // AMX prefetches as it computes
       prefetch_rows(key_cache + block * p.k_stride_b + item.kv_head * p.k_stride_h, next_n, p.k_stride_s, p.head_dim);
       prefetch_rows(value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h, next_n, p.v_stride_s, p.head_dim);
     }
