@@ -21,6 +21,9 @@
 // items from an atomic counter (prompt chunks, the expensive ones, first), so one long chunk next
 // to many short decodes does not leave a thread idle; small calls run on the calling thread.
 // Metadata is bounds-checked as it is read: a bad block id is an error, never an out-of-bounds read.
+//
+// bf16 caches on CPUs with AMX take another route for tiles of <= 16 rows (decodes included): the
+// two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
