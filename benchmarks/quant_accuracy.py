@@ -1,11 +1,13 @@
 """What --quantization int8 / int4 costs in accuracy, and what it buys in single-stream speed.
 
-    python benchmarks/quant_accuracy.py [--max-tokens 64] [--repeats 10] [--out quantization.json]
+    python benchmarks/quant_accuracy.py [--max-tokens 64] [--repeats 10] [--skip-accuracy] [--out quantization.json]
 
-Accuracy, for bf16 (the reference), int8, int4, and int4 with an int4 lm_head (the variant not
-chosen): greedy continuations of 16 fixed prompts x --max-tokens tokens through the engine (LLM),
-compared with bf16's (identical continuations; share of tokens before the first divergence), and
-the mean next-token NLL of a fixed English passage (teacher forced). Deterministic.
+Accuracy, for bf16 (the reference), int8, int4, and two int4 variants not chosen (an int4
+lm_head; groups of 64): greedy continuations of 16 fixed prompts x --max-tokens tokens through the
+engine (LLM), compared with bf16's (identical continuations; share of tokens before the first
+divergence), and over a fixed English passage (teacher forced) the mean next-token NLL, the mean
+KL divergence of the next-token distribution from bf16's, and how often its argmax is bf16's: the
+last two do not hinge on the first near-tie as greedy continuations do. Deterministic.
 Speed, interleaved in one process (A, B, C, A, B, C, ...; minimum of --repeats):
 - weight pass: one row through every weight matrix of the model (each its own tensor), as bf16
   `nn.Linear` (torch's single-stream floor) and as the int8 / int4 layers --quantization installs;
@@ -17,48 +19,99 @@ Speed figures are as noisy as the machine is busy; compare ratios within one run
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dtype_cpu import PASSAGE, mean_nll  # noqa: E402
+from dtype_cpu import BLOCK_SIZE, PASSAGE, Batch  # noqa: E402
 from fp8_kv_accuracy import PROMPTS  # noqa: E402
 from model_shapes import ALL_SHAPES, LM_HEAD  # noqa: E402
 
-from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine import LLM, SamplingParams, engine_builder  # noqa: E402
+from kvserve.engine.attention_metadata import build_flat_batch  # noqa: E402
+from kvserve.engine.compilation import symbolic_sizes  # noqa: E402
 from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model  # noqa: E402
+from kvserve.engine.quantization.int4_linear import GROUP_SIZE  # noqa: E402
 from kvserve.engine.quantization.quantize_model import OUTPUT_LAYER_MODE  # noqa: E402
 
-# (label, --quantization, lm_head override)
-MODES = [("bf16", None, None), ("int8", "int8", None), ("int4", "int4", None),
-         ("int4, lm_head int4 too (not chosen)", "int4", "int4")]
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    mode: str | None  # --quantization
+    output_layer_mode: str | None = None  # None: the engine's choice (OUTPUT_LAYER_MODE)
+    int4_group_size: int = GROUP_SIZE
+
+
+VARIANTS = [Variant("bf16", None), Variant("int8", "int8"), Variant("int4", "int4"),
+            Variant("int4 with an int4 lm_head (not chosen)", "int4", output_layer_mode="int4"),
+            Variant("int4 in groups of 64 (not chosen)", "int4", int4_group_size=64)]
 SPEED_MODES = ("bf16", "int8", "int4")
 CONVERTERS = {"int8": Int8Linear.from_linear, "int4": Int4Linear.from_linear}
 
 
-def accuracy(max_tokens: int) -> list[tuple[str, int, int, float]]:
-    """(label, identical continuations, tokens before first divergence, passage NLL) per mode."""
+@dataclass(frozen=True)
+class AccuracyRow:
+    label: str
+    identical: int  # greedy continuations identical to bf16's
+    agreeing_tokens: int  # tokens before the first divergence, summed over prompts
+    passage_nll: float  # nats/token
+    passage_kl: float  # mean KL(bf16 || this) of the next-token distribution, nats/token
+    passage_top1: float  # share of passage positions whose argmax is bf16's
+
+
+@contextmanager
+def built_as(variant: Variant) -> Iterator[None]:
+    """While an LLM is built, its quantization step uses the variant's settings (the engine's own
+    path: converted before the weights are prepacked and the layers compiled)."""
+    convert = functools.partial(quantize_model, output_layer_mode=variant.output_layer_mode,
+                                int4_group_size=variant.int4_group_size)
+    with mock.patch.object(engine_builder, "quantize_model", convert):
+        yield
+
+
+def passage_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits at every position of PASSAGE (teacher forced, through the engine's model) and
+    the next token at each."""
+    model, config = llm.engine.model_runner.model, llm.engine.model_config
+    ids = llm.get_tokenizer().encode(PASSAGE)
+    # As the engine calls its compiled layers (inference mode, symbolic sizes): otherwise each
+    # variant adds graphs until dynamo's recompile limit and the later engines run eagerly.
+    with torch.inference_mode(), symbolic_sizes():
+        runner = Batch(model, config, torch.bfloat16, 1, len(ids))
+        flat = build_flat_batch([len(ids)], [0], runner.block_ids, BLOCK_SIZE)
+        hidden = model(torch.tensor(ids), flat.positions, runner.kv_caches, flat.attn_metadata, runner.attention)
+        return model.compute_logits(hidden).float(), torch.tensor(ids[1:])
+
+
+def accuracy(max_tokens: int) -> list[AccuracyRow]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    rows, reference = [], None
-    for label, mode, head in MODES:
-        llm = LLM(dtype="bfloat16", quantization=None if head else mode, enable_prefix_caching=False,
-                  num_kv_blocks=256, max_model_len=1024)
-        model = llm.engine.model_runner.model
-        if head:  # the variant: quantized by hand with the output layer at 4 bits as well
-            quantize_model(model, mode, output_layer_mode=head)
+    rows, reference, reference_logits = [], None, None
+    for variant in VARIANTS:
+        with built_as(variant):
+            llm = LLM(dtype="bfloat16", quantization=variant.mode, enable_prefix_caching=False,
+                      num_kv_blocks=256, max_model_len=1024)
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        nll = mean_nll(model, llm.engine.model_config, torch.bfloat16, llm.get_tokenizer().encode(PASSAGE))
-        reference = reference or tokens
+        logits, targets = passage_logits(llm)
+        reference, reference_logits = reference or tokens, reference_logits if reference_logits is not None else logits
         prefix = [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r)) for r, t in zip(reference, tokens)]
-        rows.append((label, sum(p == len(r) for p, r in zip(prefix, reference)), sum(prefix), nll))
-        print(f"{label}: NLL {nll:.4f}", flush=True)
-        del llm, model
+        log_p, log_q = reference_logits.log_softmax(-1), logits.log_softmax(-1)
+        rows.append(AccuracyRow(
+            variant.label, sum(p == len(r) for p, r in zip(prefix, reference)), sum(prefix),
+            torch.nn.functional.cross_entropy(logits[:-1], targets).item(),
+            (log_p.exp() * (log_p - log_q)).sum(-1).mean().item(),
+            (logits.argmax(-1) == reference_logits.argmax(-1)).float().mean().item()))
+        print(f"{rows[-1]}", flush=True)
+        del llm
     return rows
 
 
@@ -113,18 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skip-accuracy", action="store_true", help="speed only (loads the model 3 times, not 8)")
     parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
-    rows = accuracy(args.max_tokens)
+    rows = [] if args.skip_accuracy else accuracy(args.max_tokens)
     passes = interleaved_min(weight_pass_fns(), args.repeats)
     tpot = single_stream_tpot(args.repeats)
     floor = passes["bf16"]
     total = len(PROMPTS) * args.max_tokens
-    print(f"\n{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens, bf16 activations, {torch.get_num_threads()} threads")
-    print("| weights | identical greedy continuations vs bf16 | tokens before first divergence | passage NLL |")
-    print("|---|---|---|---|")
-    for label, same, prefix, nll in rows:
-        print(f"| {label} | {same}/{len(PROMPTS)} | {prefix}/{total} ({100 * prefix / total:.1f}%) | {nll:.4f} |")
+    if rows:
+        print(f"\n{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens, bf16 activations, {torch.get_num_threads()} threads")
+        print("| weights | identical greedy continuations vs bf16 | tokens before first divergence | passage NLL "
+              "| passage KL from bf16 | passage argmax = bf16's |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r.label} | {r.identical}/{len(PROMPTS)} | {r.agreeing_tokens}/{total} "
+                  f"({100 * r.agreeing_tokens / total:.1f}%) | {r.passage_nll:.4f} | {r.passage_kl:.4f} "
+                  f"| {100 * r.passage_top1:.1f}% |")
     print(f"\nspeed (noisy; min of {args.repeats} interleaved runs): ms, and x the bf16 weight pass (torch's floor)")
     print("| weights | weight pass, 1 row | single-stream decode, per output token (engine) |")
     print("|---|---|---|")
@@ -135,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "threads": torch.get_num_threads(), "prompts": len(PROMPTS), "max_tokens": args.max_tokens,
-            "accuracy": [{"weights": label, "identical": same, "agreeing_tokens": prefix, "total_tokens": total,
-                          "passage_nll": nll} for label, same, prefix, nll in rows],
+            "accuracy": [{"weights": r.label, "identical": r.identical, "agreeing_tokens": r.agreeing_tokens,
+                          "total_tokens": total, "passage_nll": r.passage_nll, "passage_kl": r.passage_kl,
+                          "passage_top1": r.passage_top1} for r in rows],
             "speed": {mode: {"weight_pass_ms": passes[mode] * 1e3, "tpot_ms": tpot[mode] * 1e3} for mode in SPEED_MODES},
             "bf16_floor_ms": floor * 1e3}, indent=2) + "\n")
     return 0

@@ -1,14 +1,17 @@
 """Which weight-only quantized matmul is fastest on this CPU? Measured before choosing one.
 
-    python benchmarks/quant_variants.py [--rows 1,64] [--repeats 30] [--compiled]
+    python benchmarks/quant_variants.py [--rows 1,64] [--repeats 30] [--threads 1,2] [--compiled]
 
 On SmolLM2's weight shapes (fused qkv, o, gate_up, down, lm_head), for each row count: bf16
 `F.linear` (the baseline), torch's `_weight_int8pack_mm` (int8, one scale per output channel),
 torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 32 or 64 along K), and with --compiled the
 dequantize-then-matmul graphs torch.compile (inductor) builds for int8 and int4. Variants are
 interleaved (A, B, C, A, B, C, ...) in one process and each keeps its minimum, so that load from
-other processes hits them all alike. Prints one table per row count: milliseconds per matmul
-and the sum over one whole forward (30 layers + lm_head), i.e. what one decode step pays.
+other processes hits them all alike; with --threads, each thread count is one more interleaved
+variant (torch.set_num_threads between them), which shows whether an op uses the second core.
+Prints one table per row count (and thread count): milliseconds per matmul and the sum over one
+whole forward (30 layers + lm_head), i.e. what one decode step pays. The forward sums put every
+variant at lm_head too; kvserve's int4 mode keeps lm_head at int8 (engine/quantization).
 """
 
 from __future__ import annotations
@@ -78,17 +81,21 @@ def variants(n: int, k: int, rows: int, compiled: bool) -> dict[str, Callable[[]
     return out
 
 
-def measure(fns: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, float]:
-    best = dict.fromkeys(fns, float("inf"))
+def measure(fns: dict[str, Callable[[], torch.Tensor]], repeats: int,
+            threads: tuple[int, ...]) -> dict[tuple[str, int], float]:
+    """Minimum seconds per (variant, thread count), all of them interleaved."""
+    best = {(name, t): float("inf") for name in fns for t in threads}
     with torch.inference_mode():
         for fn in fns.values():  # warm-up (and compilation)
             fn()
             fn()
         for _ in range(repeats):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - start)
+            for t in threads:
+                torch.set_num_threads(t)
+                for name, fn in fns.items():
+                    start = time.perf_counter()
+                    fn()
+                    best[name, t] = min(best[name, t], time.perf_counter() - start)
     return best
 
 
@@ -96,19 +103,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,64")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", default=str(torch.get_num_threads()),
+                        help="comma-separated intra-op thread counts, interleaved (default: torch's)")
     parser.add_argument("--compiled", action="store_true", help="also time torch.compile'd dequantize+matmul")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, min of {args.repeats} interleaved runs")
+    threads = tuple(int(t) for t in args.threads.split(","))
+    print(f"torch {torch.__version__}, threads {args.threads}, min of {args.repeats} interleaved runs")
     for rows in (int(r) for r in args.rows.split(",")):
-        per_shape = {name: measure(variants(n, k, rows, args.compiled), args.repeats) for name, n, k, _ in SHAPES}
-        names = list(next(iter(per_shape.values())))
-        totals = {v: sum(per_shape[s][v] * times for s, _, _, times in SHAPES) for v in names}
-        print(f"\n{rows} row(s): ms per matmul; 'forward' = 30 layers + lm_head")
-        print("| variant | " + " | ".join(s for s, *_ in SHAPES) + " | forward ms | vs bf16 |")
-        print("|---|" + "---|" * (len(SHAPES) + 2))
-        for v in names:
-            cells = " | ".join(f"{per_shape[s][v] * 1e3:.3f}" for s, *_ in SHAPES)
-            print(f"| {v} | {cells} | {totals[v] * 1e3:.2f} | {totals[v] / totals['bf16 F.linear']:.2f}x |")
+        per_shape = {name: measure(variants(n, k, rows, args.compiled), args.repeats, threads)
+                     for name, n, k, _ in SHAPES}
+        names = list(dict.fromkeys(v for v, _ in next(iter(per_shape.values()))))
+        for t in threads:
+            totals = {v: sum(per_shape[s][v, t] * times for s, _, _, times in SHAPES) for v in names}
+            print(f"\n{rows} row(s), {t} thread(s): ms per matmul; 'forward' = 30 layers + lm_head")
+            print("| variant | " + " | ".join(s for s, *_ in SHAPES) + " | forward ms | vs bf16 |")
+            print("|---|" + "---|" * (len(SHAPES) + 2))
+            for v in names:
+                cells = " | ".join(f"{per_shape[s][v, t] * 1e3:.3f}" for s, *_ in SHAPES)
+                print(f"| {v} | {cells} | {totals[v] * 1e3:.2f} | {totals[v] / totals['bf16 F.linear']:.2f}x |")
     return 0
 
 

@@ -131,6 +131,27 @@ def test_int4_keeps_layers_it_cannot_pack() -> None:
     assert _logits(model, config, [5, 6, 7]).isfinite().all()
 
 
+def test_int4_group_size_reaches_every_layer_but_the_output_layer() -> None:
+    config, model = _tiny_model(intermediate=128)  # every K (64, 128) holds whole groups of 64
+    ids = list(range(3, 40))
+    before = _logits(model, config, ids)
+    summary = quantize_model(model, "int4", int4_group_size=64)
+    assert summary.kept == ()
+    layers = [m for name, m in model.named_modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 2 * 4 and all(m.group_size == 64 for m in layers)
+    assert isinstance(model.lm_head, Int8Linear)
+    assert (_logits(model, config, ids).argmax(-1) == before.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("group_size", [16, 48])
+def test_an_int4_group_size_torch_cannot_run_is_refused(group_size) -> None:
+    _, model = _tiny_model()
+    with pytest.raises(ValueError, match="group size must be one of 32, 64, 128, 256"):
+        quantize_model(model, "int4", int4_group_size=group_size)
+    with pytest.raises(ValueError, match="group size must be one of"):
+        Int4Linear.from_linear(_linear(96, 64, torch.bfloat16, bias=False), group_size)
+
+
 def test_an_unknown_mode_is_refused() -> None:
     _, model = _tiny_model()
     with pytest.raises(ValueError, match="int8, int4"):
