@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.attention_metadata import AttentionMetadata, build_flat_batch
-from kvserve.engine.compilation import compile_layers, symbolic_sizes
+from kvserve.engine.compilation import compile_layers, mark_cache_shapes_static, symbolic_sizes
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
@@ -73,6 +73,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=kv_spec.dtype, device=device), torch.zeros(shape, dtype=kv_spec.dtype, device=device))
             for _ in range(model_config.num_layers)
         ]
+        if compiled:
+            mark_cache_shapes_static(self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, token_mask: TokenMask | None = None) -> ModelRunnerOutput:

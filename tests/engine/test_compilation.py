@@ -1,0 +1,64 @@
+"""The compiled forward keeps guards only on per-call inputs; each model's layers get their own
+compiled function, so a second model of the same shapes never runs the first one's graph."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvserve.engine.compilation import symbolic_sizes
+from kvserve.engine.model.llama import LlamaForCausalLM
+from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.kernels import TorchAttentionBackend
+from kvserve.scheduler.output import SchedulerOutput
+from tests.engine.test_model_runner import BLOCK, CONFIG, Seq
+
+
+def _runner(rms_norm_eps: float, compiled: bool) -> ModelRunner:
+    config = dataclasses.replace(CONFIG, rms_norm_eps=rms_norm_eps)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    return ModelRunner(model.eval(), config, KVCacheSpec(num_blocks=16, block_size=BLOCK, dtype=torch.float32),
+                       TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
+
+
+def _hidden(runner: ModelRunner) -> torch.Tensor:
+    inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", [5, 9, 14], [0, 1]).schedule(3)]))
+    with torch.inference_mode():
+        return runner._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+
+
+@pytest.mark.slow
+def test_models_differing_only_in_a_layer_constant_each_run_their_own_graph() -> None:
+    # Guards on module attributes (here RMSNorm's eps, a constant of the graph) are dropped: only
+    # the per-model compiled function keeps the second model from reusing the first one's graph.
+    first, second = _runner(1e-6, compiled=True), _runner(0.5, compiled=True)
+    for runner in (first, second):
+        runner.warm_up()
+    first_hidden, second_hidden = _hidden(first), _hidden(second)
+    torch.testing.assert_close(first_hidden, _hidden(_runner(1e-6, compiled=False)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second_hidden, _hidden(_runner(0.5, compiled=False)), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(first_hidden, second_hidden, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_an_input_of_another_dtype_gets_its_own_graph() -> None:
+    # The guards kept are those on the per-call inputs: a bfloat16 hidden state must not run the
+    # float32 graph (it would read its bytes as float32).
+    runner = _runner(1e-6, compiled=True)
+    runner.warm_up()
+    inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", [5, 9, 14], [0, 1]).schedule(3)]))
+    layer = runner.model.layers[0]
+    x = torch.randn(3, CONFIG.hidden_size).to(torch.bfloat16)
+    rope = runner.model.rotary_emb(inputs.positions, torch.float32)
+    torch._dynamo.utils.counters.clear()
+    with torch.inference_mode(), symbolic_sizes():
+        compiled = layer(x, rope, runner.kv_caches[0], inputs.attn_metadata, runner.attention)
+        eager = layer.forward(x, rope, runner.kv_caches[0], inputs.attn_metadata, runner.attention)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # Inductor rounds to bfloat16 once where eager rounds after every op: bfloat16-sized differences.
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
