@@ -9,21 +9,13 @@ import pytest
 import torch
 
 from kvserve.engine.compilation import symbolic_sizes
-from kvserve.engine.model.llama import LlamaForCausalLM
-from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
-from kvserve.kernels import TorchAttentionBackend
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.scheduler.output import SchedulerOutput
-from tests.engine.test_model_runner import BLOCK, CONFIG, Seq
+from tests.engine.test_model_runner import CONFIG, Seq, tiny_runner
 
 
 def _runner(rms_norm_eps: float, compiled: bool) -> ModelRunner:
-    config = dataclasses.replace(CONFIG, rms_norm_eps=rms_norm_eps)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    for parameter in model.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    return ModelRunner(model.eval(), config, KVCacheSpec(num_blocks=16, block_size=BLOCK, dtype=torch.float32),
-                       TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
+    return tiny_runner(compiled, dataclasses.replace(CONFIG, rms_norm_eps=rms_norm_eps))
 
 
 def _hidden(runner: ModelRunner) -> torch.Tensor:

@@ -26,12 +26,12 @@ CONFIG = ModelConfig(
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def tiny_runner(compiled: bool) -> ModelRunner:
+def tiny_runner(compiled: bool, config: ModelConfig = CONFIG) -> ModelRunner:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG)
+    model = LlamaForCausalLM(config)
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
-    return ModelRunner(model.eval(), CONFIG, KVCacheSpec(num_blocks=32, block_size=BLOCK, dtype=torch.float32),
+    return ModelRunner(model.eval(), config, KVCacheSpec(num_blocks=32, block_size=BLOCK, dtype=torch.float32),
                        TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
 
