@@ -20,6 +20,15 @@ each model's layers get their own compiled function (`isolate_recompiles`): no o
 graph can be picked for them, and a model is not changed once compiled. Measured (tiny 30-layer
 model, one row, interleaved): 17.8 -> 14.9 ms per forward.
 
+Even with few guards, entering a compiled function costs ~120 us a layer call on this CPU (the
+guard check, torch.compile's wrapper: config patches, eval-frame toggles, profiler regions), 3-4 ms
+a step. So once the start-up warm-up has compiled the two graphs a model needs (one token; any
+other row count), `bind_compiled_graphs` points each layer straight at the code dynamo generated
+for them (the graph's input unpacking and the compiled graph itself, as vLLM's custom
+dispatcher does), choosing by row count; no guard runs again. That is sound for what the runner
+passes: the kept guards check input types, dtypes and strides that prepare_inputs builds the same
+way every step. Measured (SmolLM2, one row, one layer, hot): 713 -> 597 us a call.
+
 Inductor's caches live in the kvserve cache (KVSERVE_CACHE, default ~/.cache/kvserve), so the
 next start skips code generation and C++ builds: a warm start compiles in seconds.
 """
@@ -31,6 +40,7 @@ import logging
 import os
 import re
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,6 +104,53 @@ def compile_layers(model: LlamaForCausalLM) -> None:
     for layer in model.layers:
         # What nn.Module.compile() sets, with the layer bound as the compiled function's argument.
         layer._compiled_call_impl = functools.partial(run_layer, layer)
+
+
+def _graph_codes() -> list[types.CodeType]:
+    """The code dynamo generated for `_run_layer` so far, one per compiled graph (every model's)."""
+    return [entry.code for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(_run_layer.__code__)]
+
+
+def _new_graph_code(run: Callable[[], None]) -> types.CodeType | None:
+    """Runs `run` (a forward); the code of the one graph it compiled or loaded, else None."""
+    before = set(_graph_codes())
+    run()
+    new = [code for code in _graph_codes() if code not in before]
+    return new[0] if len(new) == 1 else None
+
+
+def bind_compiled_graphs(model: LlamaForCausalLM, one_token: Callable[[], None],
+                         several_tokens: Callable[[], None]) -> bool:
+    """Runs the two warm-up forwards of a model passed to `compile_layers` (a step of one token;
+    one of several requests, a decode and a prompt chunk), each compiling (or loading) one graph,
+    then routes every layer call straight to the matching graph's code: no guard check, no
+    torch.compile wrapper. Where the two graphs cannot be told apart (torch's internals changed,
+    a graph was compiled before), the layers keep the guarded torch.compile path; returns
+    whether it bound."""
+    one_token_code = _new_graph_code(one_token)
+    several_tokens_code = _new_graph_code(several_tokens)
+    if one_token_code is None or several_tokens_code is None:
+        logger.info("compiled layers stay behind torch.compile's guards: the warm-up did not yield one "
+                    "new graph per kind of step")
+        return False
+
+    def function(code: types.CodeType) -> Callable[..., torch.Tensor]:
+        return types.FunctionType(code, _run_layer.__globals__, _run_layer.__name__)
+    run_one_token, run_several_tokens = function(one_token_code), function(several_tokens_code)
+    guarded = model.layers[0]._compiled_call_impl.func  # the torch.compile'd _run_layer
+    dtype = model.embed_tokens.weight.dtype  # of every hidden state and rope table the forward makes
+
+    def run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
+                  attention: AttentionBackend) -> torch.Tensor:
+        if x.dtype != dtype or rope[0].dtype != dtype:  # not the model's own forward: let the guards decide
+            return guarded(layer, x, rope, kv_cache, meta, attention)
+        # The one-token graph was compiled for x.size(0) == 1 (its only guard beyond the other's).
+        run = run_one_token if x.shape[0] == 1 else run_several_tokens
+        return run(layer, x, rope, kv_cache, meta, attention)
+
+    for layer in model.layers:
+        layer._compiled_call_impl = functools.partial(run_layer, layer)
+    return True
 
 
 def mark_cache_shapes_static(kv_caches: Sequence[KVCache]) -> None:

@@ -8,13 +8,14 @@ Metadata is built once per step (attention_metadata.build_flat_batch), with deco
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvserve.engine.attention_metadata import AttentionMetadata, build_flat_batch
-from kvserve.engine.compilation import compile_layers, mark_cache_shapes_static, symbolic_sizes
+from kvserve.engine.compilation import bind_compiled_graphs, compile_layers, mark_cache_shapes_static, symbolic_sizes
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
@@ -59,6 +60,7 @@ class ModelRunner:
         `warm_up` once before serving so that compiling happens at start-up."""
         self.model = model
         self.compiled = compiled
+        self.graphs_bound = False  # layers called straight through their compiled graphs (warm_up)
         if compiled:
             compile_layers(model)
         self.model_dtype = next(model.parameters()).dtype
@@ -133,12 +135,20 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Runs the forward on the two kinds of step that get their own compiled graph: one
         token, and several requests with a decode and a prompt chunk. Writes only into block 0,
-        which holds nothing yet."""
-        for query_lens in ([1], [1, 2]):
-            flat = build_flat_batch(query_lens, [0] * len(query_lens), [[0]] * len(query_lens),
-                                    self.kv_spec.block_size, self.device)
-            input_ids = torch.zeros(flat.attn_metadata.num_tokens, dtype=torch.int64, device=self.device)
-            self._forward(input_ids, flat.positions, flat.attn_metadata)
+        which holds nothing yet. Compiled, the first warm-up then binds the layers to those two
+        graphs (compilation.bind_compiled_graphs)."""
+        one_token, several_tokens = (functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2]))
+        if self.compiled and not self.graphs_bound:
+            self.graphs_bound = bind_compiled_graphs(self.model, one_token, several_tokens)
+        else:
+            one_token()
+            several_tokens()
+
+    def _warm_up_forward(self, query_lens: list[int]) -> None:
+        flat = build_flat_batch(query_lens, [0] * len(query_lens), [[0]] * len(query_lens),
+                                self.kv_spec.block_size, self.device)
+        input_ids = torch.zeros(flat.attn_metadata.num_tokens, dtype=torch.int64, device=self.device)
+        self._forward(input_ids, flat.positions, flat.attn_metadata)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if not self.compiled:

@@ -1,5 +1,6 @@
 """The compiled forward keeps guards only on per-call inputs; each model's layers get their own
-compiled function, so a second model of the same shapes never runs the first one's graph."""
+compiled function, so a second model of the same shapes never runs the first one's graph; after
+the warm-up, layers run their two compiled graphs directly, without dynamo's entry."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ def _runner(rms_norm_eps: float, compiled: bool) -> ModelRunner:
     return tiny_runner(compiled, dataclasses.replace(CONFIG, rms_norm_eps=rms_norm_eps))
 
 
-def _hidden(runner: ModelRunner) -> torch.Tensor:
-    inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", [5, 9, 14], [0, 1]).schedule(3)]))
+def _hidden(runner: ModelRunner, tokens: tuple[int, ...] = (5, 9, 14)) -> torch.Tensor:
+    inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", list(tokens), [0, 1]).schedule(len(tokens))]))
     with torch.inference_mode():
         return runner._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
@@ -54,3 +55,20 @@ def test_an_input_of_another_dtype_gets_its_own_graph() -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     # Inductor rounds to bfloat16 once where eager rounds after every op: bfloat16-sized differences.
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_after_warm_up_layers_run_their_compiled_graphs_without_entering_dynamo() -> None:
+    runner, eager = _runner(1e-6, compiled=True), _runner(1e-6, compiled=False)
+    runner.warm_up()
+    assert runner.graphs_bound
+    calls = []
+    norm = runner.model.layers[0].input_layernorm
+    forward = norm.forward
+    norm.forward = lambda x: (calls.append(x.shape[0]), forward(x))[1]
+    # Through dynamo's entry, this stance would run every layer eagerly (calling the norm's forward).
+    with torch.compiler.set_stance("force_eager"):
+        several, one = _hidden(runner), _hidden(runner, (5,))
+    assert calls == [], "a layer ran eagerly: the call went through torch.compile's entry"
+    torch.testing.assert_close(several, _hidden(eager), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, _hidden(eager, (5,)), rtol=1e-5, atol=1e-5)
