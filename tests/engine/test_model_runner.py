@@ -120,3 +120,14 @@ def test_compiled_forward_equals_eager_without_a_graph_per_row_count():
     for (k_eager, v_eager), (k_compiled, v_compiled) in zip(eager.kv_caches, compiled.kv_caches):
         torch.testing.assert_close(k_compiled, k_eager, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v_compiled, v_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_logits_stay_in_the_model_dtype() -> None:
+    # No float32 copy of [rows, vocab] per step: the sampler upcasts only batches that need it.
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG).to(torch.bfloat16).eval()
+    hidden = torch.randn(5, CONFIG.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+        assert logits.dtype == torch.bfloat16
+        assert torch.equal(logits, model.lm_head(hidden))
