@@ -22,12 +22,11 @@ model, one row, interleaved): 17.8 -> 14.9 ms per forward.
 
 Even with few guards, entering a compiled function costs ~120 us a layer call on this CPU (the
 guard check, torch.compile's wrapper: config patches, eval-frame toggles, profiler regions), 3-4 ms
-a step. So once the start-up warm-up has compiled the two graphs a model needs (one token; any
-other row count), `bind_compiled_graphs` points each layer straight at the code dynamo generated
-for them (the graph's input unpacking and the compiled graph itself, as vLLM's custom
-dispatcher does), choosing by row count; no guard runs again. That is sound for what the runner
-passes: the kept guards check input types, dtypes and strides that prepare_inputs builds the same
-way every step. Measured (SmolLM2, one row, one layer, hot): 713 -> 597 us a call.
+a step. So once the start-up warm-up has compiled the graphs a model needs, `bind_compiled_graphs`
+points each layer straight at the code dynamo generated for them (the graph's input unpacking and
+the compiled graph itself, as vLLM's custom dispatcher does). Which graph fits is still dynamo's
+guards' answer, asked once per new combination of sizes (a quantized layer may branch on the row
+count) instead of on every call. Measured (SmolLM2, one row, one layer, hot): 713 -> 597 us a call.
 
 Inductor's caches live in the kvserve cache (KVSERVE_CACHE, default ~/.cache/kvserve), so the
 next start skips code generation and C++ builds: a warm start compiles in seconds.
@@ -42,6 +41,7 @@ import re
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,50 +106,62 @@ def compile_layers(model: LlamaForCausalLM) -> None:
         layer._compiled_call_impl = functools.partial(run_layer, layer)
 
 
-def _graph_codes() -> list[types.CodeType]:
-    """The code dynamo generated for `_run_layer` so far, one per compiled graph (every model's)."""
-    return [entry.code for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(_run_layer.__code__)]
+def _graph_entries() -> list[Any]:
+    """Dynamo's cache entries for `_run_layer` (every model's), one per compiled graph: each has
+    the code dynamo generated (`code`) and its guards (`guard_manager`)."""
+    return torch._dynamo.eval_frame._debug_get_cache_entry_list(_run_layer.__code__)
 
 
-def _new_graph_code(run: Callable[[], None]) -> types.CodeType | None:
-    """Runs `run` (a forward); the code of the one graph it compiled or loaded, else None."""
-    before = set(_graph_codes())
-    run()
-    new = [code for code in _graph_codes() if code not in before]
-    return new[0] if len(new) == 1 else None
+class _DirectLayerCalls:
+    """One model's layer calls, straight into the compiled graph dynamo's guards pick for the
+    call's sizes: the guards run once per new combination of sizes (rows, requests, block-table
+    width; everything else a guard reads is fixed by how the runner builds its inputs), not on
+    every call. Sizes no graph fits yet, and inputs of another dtype than the model's (not the
+    runner's own forward), go through the guarded torch.compile path, which compiles as usual."""
+
+    def __init__(self, guarded: Callable[..., torch.Tensor], dtype: torch.dtype, isolation_id: int) -> None:
+        self.guarded, self.dtype, self.isolation_id = guarded, dtype, isolation_id
+        self.graphs: dict[tuple[int, int, int], Callable[..., torch.Tensor]] = {}
+
+    def __call__(self, layer: DecoderLayer, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
+                 meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        if x.dtype != self.dtype or rope[0].dtype != self.dtype:
+            return self.guarded(layer, x, rope, kv_cache, meta, attention)
+        sizes = (x.shape[0], meta.seq_lens.shape[0], meta.block_tables.shape[1])
+        graph = self.graphs.get(sizes)
+        if graph is None:
+            frame = {"layer": layer, "x": x, "rope": rope, "kv_cache": kv_cache, "meta": meta, "attention": attention}
+            graph = self._graph_for(frame)
+            if graph is None:
+                return self.guarded(layer, x, rope, kv_cache, meta, attention)
+            self.graphs[sizes] = graph
+        return graph(layer, x, rope, kv_cache, meta, attention)
+
+    def _graph_for(self, frame: dict[str, Any]) -> Callable[..., torch.Tensor] | None:
+        for entry in _graph_entries():  # newest first, as dynamo tries them
+            if entry.isolate_recompiles_id == self.isolation_id and entry.guard_manager.check(frame):
+                return types.FunctionType(entry.code, _run_layer.__globals__, _run_layer.__name__)
+        return None
 
 
-def bind_compiled_graphs(model: LlamaForCausalLM, one_token: Callable[[], None],
-                         several_tokens: Callable[[], None]) -> bool:
-    """Runs the two warm-up forwards of a model passed to `compile_layers` (a step of one token;
-    one of several requests, a decode and a prompt chunk), each compiling (or loading) one graph,
-    then routes every layer call straight to the matching graph's code: no guard check, no
-    torch.compile wrapper. Where the two graphs cannot be told apart (torch's internals changed,
-    a graph was compiled before), the layers keep the guarded torch.compile path; returns
-    whether it bound."""
-    one_token_code = _new_graph_code(one_token)
-    several_tokens_code = _new_graph_code(several_tokens)
-    if one_token_code is None or several_tokens_code is None:
-        logger.info("compiled layers stay behind torch.compile's guards: the warm-up did not yield one "
-                    "new graph per kind of step")
+def bind_compiled_graphs(model: LlamaForCausalLM, warm_ups: Sequence[Callable[[], None]]) -> bool:
+    """Runs the warm-up forwards of a model passed to `compile_layers` (each compiles or loads
+    the graph of one kind of step), then routes its layer calls straight into their graphs
+    (_DirectLayerCalls): no torch.compile wrapper, and guards only on new sizes. Where the
+    warm-up compiled nothing new of its own (the layers were bound already, or torch's internals
+    changed), they keep the guarded path; returns whether it bound."""
+    before = {entry.code for entry in _graph_entries()}
+    for warm_up in warm_ups:
+        warm_up()
+    isolation_ids = {entry.isolate_recompiles_id for entry in _graph_entries() if entry.code not in before}
+    if len(isolation_ids) != 1:
+        logger.info("compiled layers stay behind torch.compile's guards: the warm-up compiled no graphs of their own")
         return False
-
-    def function(code: types.CodeType) -> Callable[..., torch.Tensor]:
-        return types.FunctionType(code, _run_layer.__globals__, _run_layer.__name__)
-    run_one_token, run_several_tokens = function(one_token_code), function(several_tokens_code)
     guarded = model.layers[0]._compiled_call_impl.func  # the torch.compile'd _run_layer
-    dtype = model.embed_tokens.weight.dtype  # of every hidden state and rope table the forward makes
-
-    def run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
-                  attention: AttentionBackend) -> torch.Tensor:
-        if x.dtype != dtype or rope[0].dtype != dtype:  # not the model's own forward: let the guards decide
-            return guarded(layer, x, rope, kv_cache, meta, attention)
-        # The one-token graph was compiled for x.size(0) == 1 (its only guard beyond the other's).
-        run = run_one_token if x.shape[0] == 1 else run_several_tokens
-        return run(layer, x, rope, kv_cache, meta, attention)
-
+    # The dtype of every hidden state and rope table the model's forward makes.
+    calls = _DirectLayerCalls(guarded, model.embed_tokens.weight.dtype, isolation_ids.pop())
     for layer in model.layers:
-        layer._compiled_call_impl = functools.partial(run_layer, layer)
+        layer._compiled_call_impl = functools.partial(calls, layer)
     return True
 
 

@@ -137,12 +137,12 @@ class ModelRunner:
         token, and several requests with a decode and a prompt chunk. Writes only into block 0,
         which holds nothing yet. Compiled, the first warm-up then binds the layers to those two
         graphs (compilation.bind_compiled_graphs)."""
-        one_token, several_tokens = (functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2]))
+        forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2])]
         if self.compiled and not self.graphs_bound:
-            self.graphs_bound = bind_compiled_graphs(self.model, one_token, several_tokens)
+            self.graphs_bound = bind_compiled_graphs(self.model, forwards)
         else:
-            one_token()
-            several_tokens()
+            for forward in forwards:
+                forward()
 
     def _warm_up_forward(self, query_lens: list[int]) -> None:
         flat = build_flat_batch(query_lens, [0] * len(query_lens), [[0]] * len(query_lens),

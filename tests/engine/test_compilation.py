@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from kvserve.engine.compilation import symbolic_sizes
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model.llama import LlamaForCausalLM
+from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
+from kvserve.engine.quantization.quantize_model import quantize_model
+from kvserve.kernels import TorchAttentionBackend
 from kvserve.scheduler.output import SchedulerOutput
 from tests.engine.test_model_runner import CONFIG, Seq, tiny_runner
 
@@ -20,8 +24,9 @@ def _runner(rms_norm_eps: float, compiled: bool) -> ModelRunner:
 
 
 def _hidden(runner: ModelRunner, tokens: tuple[int, ...] = (5, 9, 14)) -> torch.Tensor:
-    inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", list(tokens), [0, 1]).schedule(len(tokens))]))
-    with torch.inference_mode():
+    with torch.inference_mode():  # as the runner's execute: inputs built and run in inference mode
+        blocks = list(range(-(-len(tokens) // runner.kv_spec.block_size)))
+        inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", list(tokens), blocks).schedule(len(tokens))]))
         return runner._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
 
@@ -62,13 +67,32 @@ def test_after_warm_up_layers_run_their_compiled_graphs_without_entering_dynamo(
     runner, eager = _runner(1e-6, compiled=True), _runner(1e-6, compiled=False)
     runner.warm_up()
     assert runner.graphs_bound
-    calls = []
-    norm = runner.model.layers[0].input_layernorm
-    forward = norm.forward
-    norm.forward = lambda x: (calls.append(x.shape[0]), forward(x))[1]
-    # Through dynamo's entry, this stance would run every layer eagerly (calling the norm's forward).
-    with torch.compiler.set_stance("force_eager"):
+    _hidden(runner), _hidden(runner, (5,))  # sizes not seen yet: the guards pick their graphs once
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         several, one = _hidden(runner), _hidden(runner, (5,))
-    assert calls == [], "a layer ran eagerly: the call went through torch.compile's entry"
+    names = [event.name for event in profile.events()]
+    assert not [n for n in names if n.startswith(("TorchDynamo Cache Lookup", "Torch-Compiled Region"))], \
+        "a layer call went through torch.compile's entry"
+    assert sum("CompiledFxGraph" in n for n in names) == 2 * CONFIG.num_layers, "every layer runs its compiled graph"
     torch.testing.assert_close(several, _hidden(eager), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one, _hidden(eager, (5,)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_layer_that_branches_on_the_row_count_runs_the_graph_of_its_branch() -> None:
+    # int8 layers call the packed int8 op up to PACKED_MAX_ROWS rows and cast + matmul above: the
+    # warm-up's graphs (1 and 3 rows) must not serve a 20-row step.
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    quantize_model(model.eval(), "int8")
+    runner = ModelRunner(model, CONFIG, KVCacheSpec(num_blocks=32, block_size=4, dtype=torch.float32),
+                         TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=True)
+    runner.warm_up()
+    assert runner.graphs_bound
+    for rows, packed_op_runs in ((3, True), (PACKED_MAX_ROWS + 4, False), (3, True)):
+        tokens = tuple(range(5, 5 + rows))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            _hidden(runner, tokens)
+        assert any(e.name == "aten::_weight_int8pack_mm" for e in profile.events()) == packed_op_runs, rows
