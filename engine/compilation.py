@@ -41,9 +41,9 @@ import re
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -119,9 +119,14 @@ class _DirectLayerCalls:
     every call. Sizes no graph fits yet, and inputs of another dtype than the model's (not the
     runner's own forward), go through the guarded torch.compile path, which compiles as usual."""
 
+    # Sizes remembered at most: a long-running server meets many (rows, requests, width)
+    # combinations; past this many the memo starts over (a miss costs one guard check per graph).
+    MAX_REMEMBERED_SIZES = 4096
+
     def __init__(self, guarded: Callable[..., torch.Tensor], dtype: torch.dtype, isolation_id: int) -> None:
         self.guarded, self.dtype, self.isolation_id = guarded, dtype, isolation_id
         self.graphs: dict[tuple[int, int, int], Callable[..., torch.Tensor]] = {}
+        self.functions: dict[types.CodeType, Callable[..., torch.Tensor]] = {}  # one per graph
 
     def __call__(self, layer: DecoderLayer, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                  meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
@@ -134,13 +139,18 @@ class _DirectLayerCalls:
             graph = self._graph_for(frame)
             if graph is None:
                 return self.guarded(layer, x, rope, kv_cache, meta, attention)
+            if len(self.graphs) >= self.MAX_REMEMBERED_SIZES:
+                self.graphs.clear()
             self.graphs[sizes] = graph
         return graph(layer, x, rope, kv_cache, meta, attention)
 
     def _graph_for(self, frame: dict[str, Any]) -> Callable[..., torch.Tensor] | None:
         for entry in _graph_entries():  # newest first, as dynamo tries them
             if entry.isolate_recompiles_id == self.isolation_id and entry.guard_manager.check(frame):
-                return types.FunctionType(entry.code, _run_layer.__globals__, _run_layer.__name__)
+                if entry.code not in self.functions:
+                    self.functions[entry.code] = types.FunctionType(entry.code, _run_layer.__globals__,
+                                                                    _run_layer.__name__)
+                return self.functions[entry.code]
         return None
 
 

@@ -135,8 +135,8 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Runs the forward on the two kinds of step that get their own compiled graph: one
         token, and several requests with a decode and a prompt chunk. Writes only into block 0,
-        which holds nothing yet. Compiled, the first warm-up then binds the layers to those two
-        graphs (compilation.bind_compiled_graphs)."""
+        which holds nothing yet. Compiled, the first warm-up then binds the layers straight to
+        their compiled graphs (compilation.bind_compiled_graphs)."""
         forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2])]
         if self.compiled and not self.graphs_bound:
             self.graphs_bound = bind_compiled_graphs(self.model, forwards)

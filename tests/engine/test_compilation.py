@@ -1,6 +1,6 @@
 """The compiled forward keeps guards only on per-call inputs; each model's layers get their own
 compiled function, so a second model of the same shapes never runs the first one's graph; after
-the warm-up, layers run their two compiled graphs directly, without dynamo's entry."""
+the warm-up, layers run their compiled graphs directly, without dynamo's entry."""
 
 from __future__ import annotations
 
@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from kvserve.engine.compilation import symbolic_sizes
-from kvserve.engine.model.llama import LlamaForCausalLM
-from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
-from kvserve.engine.quantization.quantize_model import quantize_model
-from kvserve.kernels import TorchAttentionBackend
 from kvserve.scheduler.output import SchedulerOutput
 from tests.engine.test_model_runner import CONFIG, Seq, tiny_runner
 
@@ -67,7 +64,9 @@ def test_after_warm_up_layers_run_their_compiled_graphs_without_entering_dynamo(
     runner, eager = _runner(1e-6, compiled=True), _runner(1e-6, compiled=False)
     runner.warm_up()
     assert runner.graphs_bound
-    _hidden(runner), _hidden(runner, (5,))  # sizes not seen yet: the guards pick their graphs once
+    # Sizes not seen yet: the guards pick their graphs once.
+    _hidden(runner)
+    _hidden(runner, (5,))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         several, one = _hidden(runner), _hidden(runner, (5,))
     names = [event.name for event in profile.events()]
@@ -82,13 +81,7 @@ def test_after_warm_up_layers_run_their_compiled_graphs_without_entering_dynamo(
 def test_a_layer_that_branches_on_the_row_count_runs_the_graph_of_its_branch() -> None:
     # int8 layers call the packed int8 op up to PACKED_MAX_ROWS rows and cast + matmul above: the
     # warm-up's graphs (1 and 3 rows) must not serve a 20-row step.
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG)
-    for parameter in model.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    quantize_model(model.eval(), "int8")
-    runner = ModelRunner(model, CONFIG, KVCacheSpec(num_blocks=32, block_size=4, dtype=torch.float32),
-                         TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=True)
+    runner = tiny_runner(compiled=True, quantization="int8")
     runner.warm_up()
     assert runner.graphs_bound
     for rows, packed_op_runs in ((3, True), (PACKED_MAX_ROWS + 4, False), (3, True)):

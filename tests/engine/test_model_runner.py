@@ -12,6 +12,7 @@ import torch
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.quantization.quantize_model import quantize_model
 from kvserve.kernels import TorchAttentionBackend
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -26,11 +27,13 @@ CONFIG = ModelConfig(
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def tiny_runner(compiled: bool, config: ModelConfig = CONFIG) -> ModelRunner:
+def tiny_runner(compiled: bool, config: ModelConfig = CONFIG, quantization: str | None = None) -> ModelRunner:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
+    if quantization is not None:
+        quantize_model(model, quantization)
     return ModelRunner(model.eval(), config, KVCacheSpec(num_blocks=32, block_size=BLOCK, dtype=torch.float32),
                        TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
