@@ -25,7 +25,7 @@ from kvserve.engine.quantization import quantize_model
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.scaled_kv_backend import ScaledKVBackend
 from kvserve.kernels import FP8_KV_DTYPE, AttentionBackend, select_attention_backend
-from kvserve.kernels.cpu_kernel_build import cxx_compiler, cxx_compiler_available
+from kvserve.kernels.cpu_kernel_build import cpp_toolchain_problem
 from kvserve.paging import KVCacheManager
 from kvserve.paging.kv_sizing import plan_num_kv_blocks
 from kvserve.scheduler import Scheduler, SchedulerConfig
@@ -82,11 +82,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     eos_token_ids = end_of_generation_ids(model_config, tokenizer.eos_token_id)
     # Compiled on CPU unless --enforce-eager; on CUDA and in tensor-parallel workers the compiled
     # path is not verified yet, so they run eagerly. Inductor's CPU code is C++: where no compiler
-    # is installed (the slim CPU image) the forward runs eagerly rather than failing at start-up.
+    # or no headers are installed (a slim image, one that strips torch's headers) the forward runs
+    # eagerly rather than failing at start-up.
     compiled = not config.enforce_eager and device.type == "cpu" and config.tensor_parallel_size == 1
-    if compiled and not cxx_compiler_available():
-        logger.warning("no C++ compiler (%s) found: running the forward eagerly; install one (g++) to "
-                       "compile it, or pass --enforce-eager to silence this", cxx_compiler())
+    toolchain_problem = cpp_toolchain_problem(python_headers=True) if compiled else None
+    if toolchain_problem is not None:
+        logger.warning("%s: running the forward eagerly; install a C++ compiler (g++) with torch's and Python's "
+                       "headers to compile it, or pass --enforce-eager to silence this", toolchain_problem)
         compiled = False
     if device.type == "cpu" and config.tensor_parallel_size == 1:
         # After quantization (which swaps the layers it converts) and after the KV sizing above

@@ -22,6 +22,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,10 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp"
 COMPILE_TIMEOUT_S = 600
 TORCH_DIR = Path(torch.__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+# Headers a compile against torch reads, relative to torch/include: the kernel's registration
+# header, and the prefix of every C++ file torch.compile generates for the CPU. Images that strip
+# torch's headers to save space (62 MB) keep the compiler's check from meaning anything alone.
+TORCH_HEADERS = ("torch/library.h", "torch/csrc/inductor/cpp_prefix.h")
 
 
 class KernelBuildError(RuntimeError):
@@ -86,10 +91,20 @@ def cxx_compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def cxx_compiler_available() -> bool:
-    """Whether C++ can be compiled here: this kernel and torch.compile's CPU code generation both
-    need it, and slim container images have none."""
-    return shutil.which(cxx_compiler()) is not None
+def cpp_toolchain_problem(compiler: str | None = None, *, python_headers: bool = False) -> str | None:
+    """Why C++ against torch cannot be compiled here, or None where it can: this kernel and
+    torch.compile's CPU code generation both need a compiler and torch's C++ headers (slim
+    container images have no compiler, and some strip the headers); torch.compile's kernels are
+    Python extension modules, so `python_headers` also asks for Python.h."""
+    compiler = compiler or cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    missing = [header for header in TORCH_HEADERS if not (TORCH_DIR / "include" / header).is_file()]
+    if missing:
+        return f"torch's C++ headers are missing ({TORCH_DIR / 'include' / missing[0]})"
+    if python_headers and not (Path(sysconfig.get_path("include")) / "Python.h").is_file():
+        return f"Python's C headers are missing ({Path(sysconfig.get_path('include')) / 'Python.h'})"
+    return None
 
 
 def build_library(cache_dir: Path, compiler: str | None = None, source: Path = SOURCE) -> BuildResult:
@@ -97,8 +112,9 @@ def build_library(cache_dir: Path, compiler: str | None = None, source: Path = S
     other than the kernel's own is for benchmarks (an earlier revision, under its own op namespace)."""
     started = time.perf_counter()
     compiler = compiler or cxx_compiler()
-    if shutil.which(compiler) is None:
-        raise KernelBuildError(f"no C++ compiler {compiler!r} on PATH")
+    problem = cpp_toolchain_problem(compiler)
+    if problem is not None:
+        raise KernelBuildError(problem)
     cache_dir.mkdir(parents=True, exist_ok=True)
     library = _library_path(cache_dir, compiler, source)
     if library.exists():

@@ -1,5 +1,6 @@
-"""Where no C++ compiler is installed (the slim CPU container image), the engine serves with an
-eager forward instead of failing at start-up: inductor's CPU code generation compiles C++."""
+"""Where no C++ compiler is installed (the slim CPU container image), or one is but torch's C++
+headers are not (an image that strips them), the engine serves with an eager forward instead of
+failing at start-up: inductor's CPU code generation compiles C++ against those headers."""
 
 import logging
 from pathlib import Path
@@ -8,6 +9,7 @@ import pytest
 
 from kvserve.engine import EngineConfig
 from kvserve.engine.engine_builder import build_engine_parts
+from kvserve.kernels import cpu_kernel_build
 from tests.server.tiny_checkpoint import write_tiny_checkpoint
 
 
@@ -24,6 +26,21 @@ def test_without_a_cxx_compiler_the_forward_runs_eagerly_and_says_so(
         parts = build_engine_parts(_tiny_config(tmp_path))
     assert parts.model_runner.compiled is False
     assert "no C++ compiler" in caplog.text and "no-such-compiler" in caplog.text
+
+
+def test_a_compiler_without_torch_headers_runs_the_forward_eagerly_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The compiler is real (or a stand-in that answers --version); the headers are what is missing.
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\necho fake-cc 1.0\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(cpu_kernel_build, "TORCH_DIR", tmp_path / "stripped-torch")
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine.engine_builder"):
+        parts = build_engine_parts(_tiny_config(tmp_path))
+    assert parts.model_runner.compiled is False
+    assert "torch's C++ headers are missing" in caplog.text
 
 
 def test_enforce_eager_needs_no_warning(

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.kernels import cpu_kernel_build
 from kvserve.kernels.cpu_attention import load_cpu_kernel
-from kvserve.kernels.cpu_kernel_build import KernelBuildError, build_library
+from kvserve.kernels.cpu_kernel_build import KernelBuildError, build_library, cpp_toolchain_problem
 
 FAKE_COMPILER = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo fake-cc 1.0; exit 0; fi
@@ -55,3 +56,33 @@ def test_without_a_compiler_the_torch_path_serves_after_one_log_line(tmp_path: P
     with caplog.at_level(logging.INFO, logger="kvserve.kernels"):
         assert load_cpu_kernel(tmp_path, compiler="no-such-c++-compiler") is False
     assert len(caplog.records) == 1 and "using the torch path" in caplog.records[0].getMessage()
+
+
+def _torch_tree(root: Path, headers: tuple[str, ...]) -> Path:
+    for header in headers:
+        (root / "include" / header).parent.mkdir(parents=True, exist_ok=True)
+        (root / "include" / header).write_text("")
+    return root
+
+
+def test_toolchain_needs_a_compiler_torch_headers_and_for_torch_compile_python_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler, _ = _fake_compiler(tmp_path)
+    assert cpp_toolchain_problem("no-such-c++-compiler") == "no C++ compiler (no-such-c++-compiler) on PATH"
+    monkeypatch.setattr(cpu_kernel_build, "TORCH_DIR", _torch_tree(tmp_path / "stripped", ("torch/library.h",)))
+    assert "torch's C++ headers are missing" in cpp_toolchain_problem(compiler)
+    assert "cpp_prefix.h" in cpp_toolchain_problem(compiler)
+    monkeypatch.setattr(cpu_kernel_build, "TORCH_DIR", _torch_tree(tmp_path / "full", cpu_kernel_build.TORCH_HEADERS))
+    assert cpp_toolchain_problem(compiler) is None
+    monkeypatch.setattr(cpu_kernel_build.sysconfig, "get_path", lambda name: str(tmp_path / "no-python-include"))
+    assert cpp_toolchain_problem(compiler) is None  # the kernel itself needs no Python headers
+    assert "Python.h" in cpp_toolchain_problem(compiler, python_headers=True)
+
+
+def test_without_torch_headers_the_build_error_says_so_before_compiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler, log = _fake_compiler(tmp_path)
+    monkeypatch.setattr(cpu_kernel_build, "TORCH_DIR", tmp_path / "stripped")
+    with pytest.raises(KernelBuildError, match="torch's C.. headers are missing"):
+        build_library(tmp_path / "cache", compiler)
+    assert not log.exists()
