@@ -7,9 +7,9 @@ connections (and report not-ready) while the model loads.
 
 from __future__ import annotations
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
-from kvserve.server.auth import api_key_dependency
+from kvserve.server.auth import ApiKeyMiddleware
 from kvserve.server.chat import chat_router
 from kvserve.server.completions import completions_router
 from kvserve.server.engine_protocol import ServingEngine
@@ -31,16 +31,19 @@ def build_app(engine: ServingEngine | None, settings: ServerSettings, *,
                   description="An OpenAI-compatible LLM server with a paged KV cache.")
     app.state.serving = state
     install_error_handlers(app)
-    v1_dependencies = [Depends(api_key_dependency(settings.api_key))] if settings.api_key else []
-    app.include_router(completions_router(state), dependencies=v1_dependencies)
-    app.include_router(chat_router(state), dependencies=v1_dependencies)
-    app.include_router(models_router(state), dependencies=v1_dependencies)
-    app.include_router(worker_info_router(state), dependencies=v1_dependencies)
-    app.include_router(tokenizer_info_router(state), dependencies=v1_dependencies)
+    # With --api-key every route needs the key but auth.OPEN_PATHS: a new router is protected
+    # by default (the middleware sees every request, whatever router serves it).
+    app.include_router(completions_router(state))
+    app.include_router(chat_router(state))
+    app.include_router(models_router(state))
+    app.include_router(worker_info_router(state))
+    app.include_router(tokenizer_info_router(state))
     app.include_router(operations_router(state, metrics))
     app.add_middleware(IgnoredFieldsHeaderMiddleware)
     install_openapi(app)
-    if metrics is not None:
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if metrics is not None:  # outermost of ours, so it also counts the 401s
         app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     return app
 

@@ -129,7 +129,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         http.add_argument("--host", default=server.host, help="address to bind (0.0.0.0 for all interfaces)"),
         http.add_argument("--port", type=_port, default=server.port, help="port to bind (0: any free port)"),
         http.add_argument("--api-key", default=None,
-                          help="require 'Authorization: Bearer <key>' on /v1/* (also KVSERVE_API_KEY)"),
+                          help="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>') on every route but /health, "
+                               "/metrics, /version and the API docs (also KVSERVE_API_KEY)"),
         http.add_argument("--max-queued-requests", type=_non_negative_int, default=server.max_queued_requests,
                           help="sequences that may wait beyond --max-num-seqs; past that, 503 + Retry-After"),
         http.add_argument("--shutdown-grace-period", type=_non_negative_float, default=server.shutdown_grace_period,

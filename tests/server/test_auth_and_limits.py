@@ -1,4 +1,4 @@
-"""API keys on /v1/*, per-request caps, body size and the queue limit."""
+"""API keys on every route that takes work, per-request caps, body size and the queue limit."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import asyncio
 
 import httpx
 import pytest
+from fastapi import APIRouter, FastAPI
 
 from kvserve.server.app import build_app
+from kvserve.server.auth import OPEN_PATHS
 from kvserve.server.limits import ServerLimits
+from kvserve.server.metrics import ServerMetrics
 from kvserve.server.settings import ServerSettings
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import MODEL, FakeEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -26,23 +29,55 @@ def client_for(engine: FakeEngine, settings: ServerSettings) -> httpx.AsyncClien
     ("/v1/completions", "POST", {"prompt": "a", "max_tokens": 1}),
     ("/v1/chat/completions", "POST", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}),
     ("/v1/models", "GET", None),
+    ("/tokenize", "POST", {"prompt": "a"}),
+    ("/detokenize", "POST", {"tokens": [1]}),
+    ("/tokenizer_info", "GET", None),
 ])
-async def test_v1_routes_need_the_key(path: str, method: str, body: dict | None) -> None:
+async def test_routes_that_take_work_need_the_key(path: str, method: str, body: dict | None) -> None:
     async with client_for(FakeEngine(), ServerSettings(api_key=KEY)) as client:
         missing = await client.request(method, path, json=body)
         wrong = await client.request(method, path, json=body, headers={"Authorization": "Bearer sk-wrong"})
         not_bearer = await client.request(method, path, json=body, headers={"Authorization": f"Basic {KEY}"})
+        empty = await client.request(method, path, json=body, headers={"Authorization": "Bearer "})
+        wrong_x = await client.request(method, path, json=body, headers={"x-api-key": KEY[:-1]})
         right = await client.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
-    for response in (missing, wrong, not_bearer):
+        right_x = await client.request(method, path, json=body, headers={"x-api-key": KEY})  # Anthropic's clients
+    for response in (missing, wrong, not_bearer, empty, wrong_x):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
-    assert right.status_code == 200
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert right.status_code == 200 and right_x.status_code == 200
 
 
-async def test_operational_routes_need_no_key() -> None:
-    async with client_for(FakeEngine(), ServerSettings(api_key=KEY)) as client:
-        assert (await client.get("/health")).status_code == 200
-        assert (await client.get("/version")).status_code == 200
+def app_routes(app: FastAPI) -> list[tuple[str, str]]:
+    """Every API route (path, METHOD), from the app's own OpenAPI document."""
+    return [(path, method.upper()) for path, operations in app.openapi()["paths"].items() for method in operations]
+
+
+async def test_every_route_but_the_open_ones_needs_the_key_including_routers_added_later() -> None:
+    app = build_app(FakeEngine(), ServerSettings(api_key=KEY), metrics=ServerMetrics(MODEL, {}))
+    later = APIRouter()  # what a new server module adds: it is protected without asking
+
+    @later.post("/v1/added_later")
+    async def added_later() -> dict[str, bool]:
+        return {"ran": True}
+
+    app.include_router(later)
+    routes = app_routes(app)
+    assert {"/tokenize", "/detokenize", "/tokenizer_info", "/server_info", "/v1/added_later"} <= {p for p, _ in routes}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=10) as client:
+        for path, method in routes:
+            response = await client.request(method, path)
+            if path in OPEN_PATHS:
+                assert response.status_code == 200, (path, response.text)
+            else:
+                assert response.status_code == 401, (path, method, response.status_code)
+        for path in ("/no/such/route", "/health/", "/HEALTH"):  # not open: near misses of open paths
+            assert (await client.get(path)).status_code == 401, path
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await client.get(path)).status_code == 200, path
+        metrics = (await client.get("/metrics")).text
+    assert 'kvserve_request_errors_total{code="401",model_name="fake-model"}' in metrics
 
 
 def limited(**caps: int) -> ServerSettings:
