@@ -1,9 +1,12 @@
 """POST /v1/chat/completions: messages through the model's chat template, then the same
-generation path as completions, rendered as chat objects or chat stream chunks."""
+generation path as completions, rendered as chat objects or chat stream chunks. `plan_chat` is
+the chat path the Responses and Messages endpoints take too (their requests translated into a
+chat request); with a reasoning parser, the reasoning is `message.reasoning` (and
+`reasoning_content`, which many clients read), streamed as `delta.reasoning`."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kvserve.engine import CompletionOutput
+from kvserve.server.answer import AnswerFormat, AnswerStream, whole_answer
 from kvserve.server.engine_protocol import ServingEngine, ServingTokenizer
 from kvserve.server.errors import bad_request
 from kvserve.server.formatting import chat_logprobs
@@ -19,12 +23,30 @@ from kvserve.server.prompts import admit, chat_messages, resolve_max_tokens
 from kvserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, Usage, new_id,
                                      now_s)
+from kvserve.server.reasoning_grammar import after_reasoning
 from kvserve.server.responder import Choice, read_generation_request, respond
 from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
 from kvserve.server.streaming import sse_event
-from kvserve.server.tool_calls import FunctionCall, ToolCall, ToolMode, parse_message, template_tools, tool_mode
-from kvserve.server.tool_parsers import ToolCallStream
+from kvserve.server.tool_calls import FunctionCall, ToolCall, ToolMode, template_tools, tool_mode
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt as the model sees it."""
+
+    text: str
+    token_ids: list[int]
+    tools: ToolMode | None
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """An admitted chat request: its job, and how its output is to be read."""
+
+    job: GenerationJob
+    answer: AnswerFormat
+    top_logprobs: int | None
 
 
 def chat_router(state: ServingState) -> APIRouter:
@@ -32,32 +54,48 @@ def chat_router(state: ServingState) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        limits = state.settings.limits
         body, engine = await read_generation_request(request, state, ChatCompletionRequest)
-        top_logprobs = _top_logprobs(body)
-        # max_completion_tokens replaced max_tokens in OpenAI's API; either may be sent.
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        base = build_sampling_params(body, max_tokens=requested, logprobs=top_logprobs,
-                                     logprobs_param="top_logprobs", limits=limits)
-        tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.auto_tool_parser,
-                          state.settings.new_tool_call_id)
-        if tools is not None and tools.constraint is not None:
-            if base.structured_output is not None:
-                raise bad_request("A forced tool call cannot be combined with another output constraint.",
-                                  base.structured_output.param)
-            base = replace(base, structured_output=tools.constraint)
-        prompt_text = _render(engine, body, template_tools(body.tools, tools))
-        token_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
-        params = with_max_tokens(base, resolve_max_tokens(len(token_ids), requested, engine.max_model_len, limits))
-        admit(engine, token_ids, params, priority=body.priority, cache_salt=body.cache_salt, max_tokens_param=param)
         response_id = new_id("chatcmpl")
-        jobs = [GenerationJob(f"{response_id}-0", prompt_text, token_ids, params, body.priority, body.cache_salt)]
-        formatter = _ChatFormatter(body.n, top_logprobs, engine.tokenizer, response_id, now_s(),
-                                   engine.config.model_name, tools)
-        return await respond(request, state, engine, jobs, body, formatter)
+        plan = plan_chat(state, engine, body, response_id)
+        formatter = _ChatFormatter(body.n, plan.top_logprobs, engine.tokenizer, response_id, now_s(),
+                                   engine.config.model_name, plan.answer)
+        return await respond(request, state, engine, [plan.job], body, formatter)
 
     return router
+
+
+def chat_prompt(state: ServingState, engine: ServingEngine, body: ChatCompletionRequest) -> ChatPrompt:
+    """The messages (and the tools the request's mode shows the model) through the chat template."""
+    tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.auto_tool_parser,
+                      state.settings.new_tool_call_id)
+    text = _render(engine, body, template_tools(body.tools, tools))
+    return ChatPrompt(text, engine.tokenizer.encode(text, add_special_tokens=False), tools)
+
+
+def plan_chat(state: ServingState, engine: ServingEngine, body: ChatCompletionRequest, request_id: str) -> ChatPlan:
+    """Everything a chat request is checked for, then its admission: the one chat path that the
+    Responses and Messages endpoints take too, with their requests translated into this one."""
+    limits = state.settings.limits
+    top_logprobs = _top_logprobs(body)
+    # max_completion_tokens replaced max_tokens in OpenAI's API; either may be sent.
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    base = build_sampling_params(body, max_tokens=requested, logprobs=top_logprobs,
+                                 logprobs_param="top_logprobs", limits=limits)
+    prompt = chat_prompt(state, engine, body)
+    if prompt.tools is not None and prompt.tools.constraint is not None:
+        if base.structured_output is not None:
+            raise bad_request("A forced tool call cannot be combined with another output constraint.",
+                              base.structured_output.param)
+        base = replace(base, structured_output=prompt.tools.constraint)
+    style = state.settings.reasoning_style
+    starts_open = style.starts_open(prompt.text) if style is not None else None
+    if starts_open is not None and base.structured_output is not None:
+        base = replace(base, structured_output=after_reasoning(base.structured_output, starts_open))
+    params = with_max_tokens(base, resolve_max_tokens(len(prompt.token_ids), requested, engine.max_model_len, limits))
+    admit(engine, prompt.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, max_tokens_param=param)
+    job = GenerationJob(f"{request_id}-0", prompt.text, prompt.token_ids, params, body.priority, body.cache_salt)
+    return ChatPlan(job, AnswerFormat(prompt.tools, starts_open), top_logprobs)
 
 
 def _top_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -81,10 +119,12 @@ class _ChatFormatter:
     """Chat completion objects, and chunks that open with the assistant role for every choice."""
 
     def __init__(self, n: int, top_logprobs: int | None, tokenizer: ServingTokenizer, response_id: str,
-                 created: int, model: str, tools: ToolMode | None) -> None:
+                 created: int, model: str, answer: AnswerFormat) -> None:
         self.n = n
-        self.tools = tools
-        self._tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice
+        self.answer = answer
+        # Output is read (reasoning split off, calls parsed) only when there is something to read.
+        self._reads = answer.tools is not None or answer.reasoning_starts_open is not None
+        self._streams: dict[int, AnswerStream] = {}  # per streamed choice
         self.top_logprobs = top_logprobs
         self.tokenizer = tokenizer
         self.header = {"id": response_id, "created": created, "model": model}
@@ -98,24 +138,25 @@ class _ChatFormatter:
 
     def chunks(self, choice: Choice) -> list[BaseModel]:
         delta = choice.output
-        if self.tools is not None:
-            return self._tool_chunks(choice, self.tools)
+        if self._reads:
+            return self._answer_chunks(choice)
         return [self._chunk([ChatChunkChoice(index=choice.index, delta={"content": delta.text} if delta.text else {},
                                              logprobs=self._logprobs(delta), finish_reason=delta.finish_reason,
                                              stop_reason=delta.stop_reason)])]
 
-    def _tool_chunks(self, choice: Choice, tools: ToolMode) -> list[BaseModel]:
-        """Content as it is decided, then per call a chunk with its id and name and chunks with
-        its argument fragments as they are generated. The delta's logprobs ride on the first
-        chunk, the finish reason on the last; a delta whose text is all held back makes a chunk
-        only when it carries one of those."""
+    def _answer_chunks(self, choice: Choice) -> list[BaseModel]:
+        """Reasoning and content as they are decided, then per call a chunk with its id and name
+        and chunks with its argument fragments as they are generated. The delta's logprobs ride
+        on the first chunk, the finish reason on the last; a delta whose text is all held back
+        makes a chunk only when it carries one of those."""
         output = choice.output
-        stream = self._tool_streams.setdefault(choice.index, ToolCallStream(tools.parser, tools.new_id,
-                                                                            tools.parallel_calls))
+        stream = self._streams.setdefault(choice.index, AnswerStream(self.answer))
         update = stream.feed(output.text, final=output.finished)
         if output.finished:
-            del self._tool_streams[choice.index]
-        deltas: list[dict] = [{"content": update.content}] if update.content else []
+            del self._streams[choice.index]
+        deltas: list[dict] = [{"reasoning": update.reasoning, "reasoning_content": update.reasoning}] \
+            if update.reasoning else []
+        deltas += [{"content": update.content}] if update.content else []
         deltas += [{"tool_calls": [call]} for call in update.tool_calls]
         logprobs = self._logprobs(output)
         if not deltas and (logprobs is not None and logprobs.content or output.finished):
@@ -139,16 +180,21 @@ class _ChatFormatter:
 
     def _choice(self, choice: Choice) -> ChatChoice:
         output = choice.output
-        if self.tools is not None:
-            parsed = parse_message(self.tools, output.text)
-            if parsed.calls:
-                calls = [ToolCall(id=self.tools.new_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-                         for c in parsed.calls]
-                return ChatChoice(index=choice.index, message=AssistantMessage(content=parsed.content, tool_calls=calls),
-                                  logprobs=self._logprobs(output), finish_reason="tool_calls")
-        return ChatChoice(index=choice.index, message=AssistantMessage(content=output.text),
-                          logprobs=self._logprobs(output), finish_reason=output.finish_reason,
-                          stop_reason=output.stop_reason)
+        if not self._reads:
+            return ChatChoice(index=choice.index, message=AssistantMessage(content=output.text),
+                              logprobs=self._logprobs(output), finish_reason=output.finish_reason,
+                              stop_reason=output.stop_reason)
+        answer = whole_answer(self.answer, output.text)
+        # As OpenAI: a reply that only calls tools (or, as vLLM, only reasons) has null content.
+        content = answer.content if answer.content or not (answer.calls or answer.reasoning) else None
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in answer.calls]
+        message = AssistantMessage(content=content, tool_calls=calls, reasoning=answer.reasoning,
+                                   reasoning_content=answer.reasoning)
+        if calls:
+            return ChatChoice(index=choice.index, message=message, logprobs=self._logprobs(output),
+                              finish_reason="tool_calls")
+        return ChatChoice(index=choice.index, message=message, logprobs=self._logprobs(output),
+                          finish_reason=output.finish_reason, stop_reason=output.stop_reason)
 
     def _logprobs(self, completion: CompletionOutput) -> ChatLogprobs | None:
         if self.top_logprobs is None:

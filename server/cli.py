@@ -21,6 +21,7 @@ from kvserve.engine.model.model_errors import ModelNotFoundError
 from kvserve.engine.model.model_source import resolve_model
 from kvserve.server import kv_size_command
 from kvserve.server.limits import ServerLimits
+from kvserve.server.reasoning import REASONING_PARSERS
 from kvserve.server.settings import LOG_LEVELS, ServerSettings
 from kvserve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -57,7 +58,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, li
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,kv-size}")
     serve_parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
-        description="Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+        description="Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses, "
+                    "/v1/messages, /v1/models, "
                     "/health, /metrics, /tokenize, /detokenize).",
         epilog=f"Every option can also be set by an environment variable {ENV_PREFIX}<OPTION>, e.g. "
                f"{ENV_PREFIX}MAX_MODEL_LEN=4096 or {ENV_PREFIX}ENABLE_PREFIX_CACHING=false; a flag given on the "
@@ -78,7 +80,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
     cache = p.add_argument_group("KV cache and batching")
     http = p.add_argument_group("HTTP")
     caps = p.add_argument_group("per-request caps (a single request must not exhaust the server)")
-    tools = p.add_argument_group("tool calls")
+    tools = p.add_argument_group("tool calls and reasoning")
     return [
         model.add_argument("--model", default=defaults.model,
                            help=f"{DEFAULT_MODEL!r} (bundled), a .gguf file or a local Hugging Face directory"),
@@ -145,6 +147,19 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                                 "</tool_call>), llama3_json (Llama 3.x: JSON, optionally after <|python_tag|>, "
                                 "several separated by ;), mistral ([TOOL_CALLS][{...}], or name[ARGS]{...} per "
                                 "[TOOL_CALLS] from tokenizer v11)"),
+        tools.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
+                           help="split a reasoning model's <think>...</think> from its answer (message.reasoning, "
+                                "Responses reasoning items, Messages thinking blocks); tool calls and output "
+                                "grammars apply to the answer: deepseek_r1 (the output starts inside the reasoning) "
+                                "or qwen3 (the output opens <think> itself, or the prompt does)"),
+        http.add_argument("--enable-responses-store", action=flag, default=server.enable_responses_store,
+                          help="keep finished /v1/responses in memory for previous_response_id and "
+                               "GET/DELETE /v1/responses/{id}; off, those get a 400"),
+        http.add_argument("--responses-store-max-responses", type=_positive_int,
+                          default=server.responses_store_max_responses,
+                          help="most stored responses (least recently used dropped first)"),
+        http.add_argument("--responses-store-max-bytes", type=_byte_size, default=server.responses_store_max_bytes,
+                          metavar="SIZE", help="most memory the stored responses take, as their JSON"),
         caps.add_argument("--max-n", type=_positive_int, default=limits.max_n, help="largest n per request"),
         caps.add_argument("--max-logprobs", type=_non_negative_int, default=limits.max_logprobs,
                           help="largest logprobs / top_logprobs"),
@@ -217,7 +232,10 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
             shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level, limits=limits,
-            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser, enable_responses_store=args.enable_responses_store,
+            responses_store_max_responses=args.responses_store_max_responses,
+            responses_store_max_bytes=args.responses_store_max_bytes)
     except ConfigError as error:
         parser.error(f"{error.option}: {error}")
     if args.model != DEFAULT_MODEL:  # the default is resolved (and fetched if need be) at load time

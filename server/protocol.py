@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from kvserve.server.structured_outputs import StructuredOutputFields
 from kvserve.server.tool_calls import NamedToolChoice, ToolCall, ToolDefinition
@@ -192,6 +192,17 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] = Field(default_factory=list)  # as vLLM: [] when there are none
+    # With --reasoning-parser: the thinking, under vLLM's name and the older one many clients read.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in ("reasoning", "reasoning_content"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class ChatChoice(BaseModel):

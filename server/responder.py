@@ -1,10 +1,13 @@
-"""The one path from admitted jobs to an HTTP answer, shared by /v1/completions and
-/v1/chat/completions: stream the engine's deltas as SSE chunks, or collect them into one JSON
-response. What differs between the endpoints (object shapes, echo, the role chunk, the two
-logprobs formats) lives in a small `ResponseFormatter` per endpoint.
+"""The one path from admitted jobs to an HTTP answer, shared by every generation endpoint
+(/v1/completions, /v1/chat/completions, /v1/responses, /v1/messages): stream the engine's deltas
+as server-sent events, or collect them into one JSON response. What differs between the
+endpoints lives in one `EventShape` per endpoint: its events and its whole object. OpenAI's
+chunk streams (completions, chat) share their framing (`data: [DONE]`, the usage chunk) here,
+around a small `ResponseFormatter` per endpoint (object shapes, echo, the role chunk, the two
+logprobs formats).
 
-    engine deltas ──► generate_all ──► OutputAccumulator per job ──┬─► formatter.chunk  (stream)
-                                                                    └─► formatter.response (collect)
+    engine deltas ──► generate_all ──► OutputAccumulator per job ──┬─► shape.events   (stream)
+                                                                    └─► shape.response (collect)
 
 A choice's index in the response is job_index * n + completion index, so a batched completions
 request numbers its choices prompt by prompt, as OpenAI does.
@@ -25,7 +28,7 @@ from pydantic import BaseModel
 from kvserve.engine import CompletionOutput, OutputAccumulator, RequestOutput, TokenLogprobs
 from kvserve.server.disconnect import unless_disconnected
 from kvserve.server.engine_protocol import ServingEngine
-from kvserve.server.errors import check_model, error_from_engine
+from kvserve.server.errors import APIError, check_model, error_from_engine
 from kvserve.server.formatting import usage_of
 from kvserve.server.ignored_fields import note_ignored_fields
 from kvserve.server.generation import GenerationJob, generate_all
@@ -66,6 +69,54 @@ class ResponseFormatter(Protocol):
         """The whole non-streaming response; `choices` are in index order."""
 
 
+class EventShape(Protocol):
+    """One API's answer: the events of its stream, and its whole object."""
+
+    def opening_events(self) -> list[str]:
+        """Events a stream starts with, before any generated text."""
+
+    def delta_events(self, choice: Choice) -> list[str]:
+        """The events for a completion's delta (none while its text is held back)."""
+
+    def closing_events(self, usage: Usage) -> list[str]:
+        """Events after the last delta."""
+
+    def failure_events(self, error: APIError) -> list[str]:
+        """Events that end a stream that failed after its first byte."""
+
+    def response(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        """The whole non-streaming response; `choices` are in index order."""
+
+
+class _ChunkStream:
+    """OpenAI's chunk streams: the formatter's chunks as `data:` events, the usage chunk when
+    asked for (on every chunk with continuous_usage_stats), `data: [DONE]` at the end."""
+
+    def __init__(self, formatter: ResponseFormatter, body: SamplingFields, run: _Run) -> None:
+        self.formatter = formatter
+        self.include_usage = body.include_usage
+        self.continuous_usage = body.continuous_usage_stats
+        self.run = run
+
+    def opening_events(self) -> list[str]:
+        return [sse_event(chunk) for chunk in self.formatter.opening_chunks()]
+
+    def delta_events(self, choice: Choice) -> list[str]:
+        if self.continuous_usage:
+            return [sse_event(chunk.model_copy(update={"usage": self.run.usage_so_far()}))
+                    for chunk in self.formatter.chunks(choice)]
+        return self.formatter.chunk_events(choice)
+
+    def closing_events(self, usage: Usage) -> list[str]:
+        return ([sse_event(self.formatter.usage_chunk(usage))] if self.include_usage else []) + [DONE_EVENT]
+
+    def failure_events(self, error: APIError) -> list[str]:
+        return [sse_event(error.body()), DONE_EVENT]
+
+    def response(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        return self.formatter.response(choices, usage)
+
+
 async def read_generation_request(request: Request, state: ServingState, body_type: type[BodyT]
                                   ) -> tuple[BodyT, ServingEngine]:
     """Parses the body and checks what every generation endpoint checks before its own fields."""
@@ -79,12 +130,22 @@ async def read_generation_request(request: Request, state: ServingState, body_ty
 
 async def respond(request: Request, state: ServingState, engine: ServingEngine, jobs: Sequence[GenerationJob],
                   body: SamplingFields, formatter: ResponseFormatter) -> Response:
-    """Admits the jobs' sequences and answers as a stream or as one response."""
-    admission = state.admit(len(jobs) * body.n)
-    run = _Run(engine, jobs, body.n, formatter, state.abort_all)
-    if body.stream:
-        return EventStreamResponse(run.stream(body.include_usage, body.continuous_usage_stats),
-                                   on_close=admission.release)
+    """Admits the jobs' sequences and answers as an OpenAI chunk stream or as one response."""
+    run = _Run(engine, jobs, body.n, state.abort_all)
+    return await _answer(request, state, run, body.stream, _ChunkStream(formatter, body, run))
+
+
+async def respond_with_events(request: Request, state: ServingState, engine: ServingEngine,
+                              jobs: Sequence[GenerationJob], n: int, stream: bool, shape: EventShape) -> Response:
+    """Admits the jobs' sequences and answers as `shape`'s event stream or whole object."""
+    return await _answer(request, state, _Run(engine, jobs, n, state.abort_all), stream, shape)
+
+
+async def _answer(request: Request, state: ServingState, run: _Run, stream: bool, shape: EventShape) -> Response:
+    admission = state.admit(len(run.jobs) * run.n)
+    run.formatter = shape
+    if stream:
+        return EventStreamResponse(run.stream(), on_close=admission.release)
     return await _collect(request, run, admission)
 
 
@@ -100,12 +161,11 @@ async def _collect(request: Request, run: _Run, admission: Admission) -> Respons
 
 
 class _Run:
-    def __init__(self, engine: ServingEngine, jobs: Sequence[GenerationJob], n: int, formatter: ResponseFormatter,
-                 abort_all: asyncio.Event) -> None:
+    def __init__(self, engine: ServingEngine, jobs: Sequence[GenerationJob], n: int, abort_all: asyncio.Event) -> None:
         self.engine = engine
         self.jobs = jobs
         self.n = n
-        self.formatter = formatter
+        self.formatter: EventShape | None = None  # set by _answer
         self.abort_all = abort_all
         self.accumulators = [OutputAccumulator() for _ in jobs]
         # Running totals for vLLM's continuous_usage_stats (usage on every chunk).
@@ -142,26 +202,23 @@ class _Run:
                      total_tokens=prompt_tokens + self._completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._cached_tokens)))
 
-    async def stream(self, include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
-        for chunk in self.formatter.opening_chunks():
-            yield sse_event(chunk)
+    async def stream(self) -> AsyncGenerator[str, None]:
+        shape = self.formatter
+        assert shape is not None
+        for event in shape.opening_events():
+            yield event
         try:
             async with aclosing(self.deltas()) as deltas:
                 async for choice in deltas:
                     delta = choice.output
                     # A token whose text is still held back (a possible stop string, a partial
-                    # character) makes no chunk unless it carries logprobs.
+                    # character) makes no event unless it carries logprobs.
                     if delta.text or delta.logprobs or delta.finished:
-                        if continuous_usage:
-                            for chunk in self.formatter.chunks(choice):
-                                yield sse_event(chunk.model_copy(update={"usage": self.usage_so_far()}))
-                        else:
-                            for event in self.formatter.chunk_events(choice):
-                                yield event
+                        for event in shape.delta_events(choice):
+                            yield event
         except Exception as error:  # after the first byte, an error can only be an event
-            yield sse_event(error_from_engine(error, self.engine.is_dead).body())
-            yield DONE_EVENT
+            for event in shape.failure_events(error_from_engine(error, self.engine.is_dead)):
+                yield event
             return
-        if include_usage:
-            yield sse_event(self.formatter.usage_chunk(usage_of(self.results())))
-        yield DONE_EVENT
+        for event in shape.closing_events(usage_of(self.results())):
+            yield event

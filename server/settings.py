@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.config import ConfigError
 from kvserve.server.limits import ServerLimits
+from kvserve.server.reasoning import REASONING_PARSERS, ReasoningStyle
 from kvserve.server.tool_parsers import FAMILY_CALL_IDS, TOOL_CALL_PARSERS, OutputParser, new_call_id
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -28,6 +29,12 @@ class ServerSettings:
     # tool_choice "auto": the model's calls are parsed out of its text by this family's parser.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a key of TOOL_CALL_PARSERS (vLLM's names)
+    reasoning_parser: str | None = None  # a key of REASONING_PARSERS (vLLM's names)
+    # /v1/responses `store`: finished responses kept in memory (least recently used dropped first)
+    # for previous_response_id and GET /v1/responses/{id}.
+    enable_responses_store: bool = True
+    responses_store_max_responses: int = 1024
+    responses_store_max_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +57,16 @@ class ServerSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--tool-call-parser", "--enable-auto-tool-choice needs --tool-call-parser "
                               f"({', '.join(TOOL_CALL_PARSERS)}): the model family's way of writing a call")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError("--reasoning-parser", f"--reasoning-parser must be one of "
+                              f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if self.responses_store_max_responses < 1:
+            raise ConfigError("--responses-store-max-responses", "--responses-store-max-responses must be >= 1, "
+                              f"got {self.responses_store_max_responses} (use --no-enable-responses-store to turn "
+                              "the store off)")
+        if self.responses_store_max_bytes < 1:
+            raise ConfigError("--responses-store-max-bytes",
+                              f"--responses-store-max-bytes must be >= 1, got {self.responses_store_max_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("--log-level", f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
@@ -59,6 +76,10 @@ class ServerSettings:
         if not self.enable_auto_tool_choice or self.tool_call_parser is None:
             return None
         return TOOL_CALL_PARSERS[self.tool_call_parser]
+
+    @property
+    def reasoning_style(self) -> ReasoningStyle | None:
+        return REASONING_PARSERS[self.reasoning_parser] if self.reasoning_parser is not None else None
 
     @property
     def new_tool_call_id(self) -> Callable[[], str]:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine import GrammarKind, StructuredOutputParams
 from kvserve.server.errors import bad_request
-from kvserve.server.tool_parsers import OutputParser, ParsedMessage, named_call_parser, parse_required, parsed_message
+from kvserve.server.tool_parsers import OutputParser, named_call_parser, parse_required
 
 AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                     '(tool_choice is "auto" when tools are given without it); or use "required", a named '
@@ -108,12 +108,6 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
 
 def _parameters(function: FunctionDefinition) -> dict[str, Any]:
     return function.parameters or {"type": "object", "properties": {}}
-
-
-def parse_message(mode: ToolMode, text: str) -> ParsedMessage:
-    """A finished output as content and calls; text that does not parse as a call (a forced
-    call cut off by max_tokens, an auto reply that only looks like one) stays content."""
-    return parsed_message(mode.parser(text, True), mode.parallel_calls)
 
 
 def template_tools(tools: list[ToolDefinition] | None, mode: ToolMode | None) -> list[dict[str, Any]] | None:
