@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from kvserve.engine import CompletionOutput, OutputAccumulator, RequestOutput, TokenLogprobs
 from kvserve.server.disconnect import unless_disconnected
 from kvserve.server.engine_protocol import ServingEngine
-from kvserve.server.errors import APIError, check_model, error_from_engine
+from kvserve.server.errors import APIError, ClientDisconnected, check_model, error_from_engine
 from kvserve.server.formatting import usage_of
 from kvserve.server.ignored_fields import note_ignored_fields
 from kvserve.server.generation import GenerationJob, generate_all
@@ -152,6 +152,8 @@ async def _answer(request: Request, state: ServingState, run: _Run, stream: bool
 async def _collect(request: Request, run: _Run, admission: Admission) -> Response:
     try:
         await unless_disconnected(request, run.drain())
+    except ClientDisconnected:
+        raise  # the client's doing, not a failure: answered 499 (errors.py), the engine aborted the work
     except Exception as error:
         raise error_from_engine(error, run.engine.is_dead) from error
     finally:
