@@ -42,6 +42,8 @@ def load_cpu_kernel(cache_dir: Path | None = None, compiler: str | None = None) 
         return False
     if result.compiled:
         logger.info("compiled the CPU attention kernel in %.1f s (cached in %s)", result.seconds, result.library.parent)
+    elif result.variant != "native":
+        logger.info("CPU attention kernel: the prebuilt %s build (%s)", result.variant, result.library.name)
     return True
 
 

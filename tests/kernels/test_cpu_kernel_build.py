@@ -1,18 +1,27 @@
 """Building the C++ kernel: once per machine (cache dir), safe when processes race, and a clear
-fallback where no compiler works. A fake compiler stands in so these tests take no compile."""
+fallback where no compiler works; the prebuilt variants and the choice among them by CPU flags.
+A fake compiler stands in so these tests take no compile, except one (slow) that prebuilds and
+loads the AVX2 variant."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve.kernels import cpu_kernel_build
 from kvserve.kernels.cpu_attention import load_cpu_kernel
 from kvserve.kernels.cpu_kernel_build import KernelBuildError, build_library, cpp_toolchain_problem
 
+REPO = Path(__file__).resolve().parents[2]
 FAKE_COMPILER = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo fake-cc 1.0; exit 0; fi
 echo compiled >> "{log}"
@@ -52,7 +61,10 @@ def test_a_failing_compiler_is_a_build_error_naming_its_output(tmp_path: Path) -
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
-def test_without_a_compiler_the_torch_path_serves_after_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_without_a_compiler_the_torch_path_serves_after_one_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_kernel_build, "PREBUILT_DIR", tmp_path / "no-prebuilt")
     with caplog.at_level(logging.INFO, logger="kvserve.kernels"):
         assert load_cpu_kernel(tmp_path, compiler="no-such-c++-compiler") is False
     assert len(caplog.records) == 1 and "using the torch path" in caplog.records[0].getMessage()
@@ -86,3 +98,72 @@ def test_without_torch_headers_the_build_error_says_so_before_compiling(tmp_path
     with pytest.raises(KernelBuildError, match="torch's C.. headers are missing"):
         build_library(tmp_path / "cache", compiler)
     assert not log.exists()
+
+
+SAPPHIRE_RAPIDS = cpu_kernel_build.ISA_VARIANTS[0].cpu_flags | {"sse4_2", "avx512_fp16"}
+ZEN_4 = cpu_kernel_build.ISA_VARIANTS[1].cpu_flags | {"avx512_bf16", "sse4_2"}  # no AMX
+HASWELL = cpu_kernel_build.ISA_VARIANTS[2].cpu_flags | {"sse4_2"}
+ALL = [v.name for v in cpu_kernel_build.ISA_VARIANTS]
+
+
+@pytest.mark.parametrize("flags,available,expected", [
+    (SAPPHIRE_RAPIDS, ALL, "amx"), (ZEN_4, ALL, "avx512"), (HASWELL, ALL, "avx2"),
+    (SAPPHIRE_RAPIDS, ["avx2"], "avx2"),  # the best that was built, not the best the CPU could run
+    (HASWELL, ["amx", "avx512"], None), (frozenset({"sse4_2", "avx"}), ALL, None),
+])
+def test_the_best_prebuilt_variant_this_cpu_can_run_is_picked(flags, available, expected) -> None:
+    picked = cpu_kernel_build.pick_variant(frozenset(flags), available)
+    assert (picked.name if picked else None) == expected
+
+
+def _prebuilt_dir(root: Path, **manifest_fields: object) -> Path:
+    root.mkdir()
+    (root / "cpu_paged_attention-avx2.so").write_text("library")
+    manifest = {"torch": torch.__version__, "source_sha256": cpu_kernel_build._source_digest(), "variants": ["avx2"]}
+    (root / cpu_kernel_build.MANIFEST).write_text(json.dumps(manifest | manifest_fields))
+    return root
+
+
+def test_a_prebuilt_library_is_used_only_for_its_torch_its_source_and_a_cpu_that_runs_it(tmp_path: Path) -> None:
+    found = cpu_kernel_build.prebuilt_library(_prebuilt_dir(tmp_path / "ok"), HASWELL)
+    assert found is not None and found.variant == "avx2" and found.library.name == "cpu_paged_attention-avx2.so"
+    assert cpu_kernel_build.prebuilt_library(_prebuilt_dir(tmp_path / "torch", torch="1.0.0"), HASWELL) is None
+    assert cpu_kernel_build.prebuilt_library(_prebuilt_dir(tmp_path / "src", source_sha256="0" * 64), HASWELL) is None
+    assert cpu_kernel_build.prebuilt_library(tmp_path / "ok", frozenset({"sse4_2"})) is None
+    assert cpu_kernel_build.prebuilt_library(tmp_path / "nothing-here", HASWELL) is None
+
+
+CHECK_PREBUILT = """
+import sys
+from pathlib import Path
+import torch
+from kvserve.kernels import cpu_kernel_build
+cpu_kernel_build.PREBUILT_DIR = Path(sys.argv[1])
+from kvserve.kernels.cpu_attention import cpu_paged_attention, load_cpu_kernel
+from kvserve.kernels.torch_attention import torch_paged_attention
+from tests.kernels.paged_batch import TOLERANCES, make_batch
+assert load_cpu_kernel(compiler="no-such-c++-compiler")  # no compiler: only the prebuilt can serve
+for dtype in (torch.float32, torch.bfloat16):
+    batch = make_batch([1, 17, 200, 33], [1, 1, 40, 33], num_kv_heads=3, group=3, dtype=dtype)
+    out = cpu_paged_attention(*batch.attention_args()[:-1], batch.scale, 1.0)
+    torch.testing.assert_close(out.float(), torch_paged_attention(*batch.attention_args()).float(), **TOLERANCES[dtype])
+print("prebuilt ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_prebuilt_avx2_build_loads_without_a_compiler_and_matches_the_torch_path() -> None:
+    # AVX2 is the portable vector code that this machine's native (AVX-512/AMX) build never runs.
+    # Built once per source revision and torch, into the kvserve cache (a compile takes minutes).
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to prebuild with")
+    variant = cpu_kernel_build.pick_variant(cpu_kernel_build.cpu_flags(), ["avx2"])
+    if variant is None:
+        pytest.skip("this CPU cannot run the AVX2 build")
+    key = hashlib.sha256(f"{torch.__version__} {cpu_kernel_build._source_digest()}".encode()).hexdigest()[:16]
+    out = cpu_kernel_build.default_cache_dir() / f"prebuilt-test-{key}"
+    if cpu_kernel_build.prebuilt_library(out, HASWELL) is None:
+        cpu_kernel_build.prebuild(out, variants=[variant])
+    done = subprocess.run([sys.executable, "-c", CHECK_PREBUILT, str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "prebuilt ok" in done.stdout, done.stdout + done.stderr
