@@ -87,8 +87,21 @@ class AdmissionCheck:
                                  f"{policy.value} (start it with --scheduling-policy priority).", "priority")
         if cache_salt is not None and not cache_salt:
             raise AdmissionError("cache_salt must be a non-empty string when given.", "cache_salt")
+        if cache_salt is not None and not _is_utf8(cache_salt):
+            # The prefix cache hashes the salt's UTF-8 bytes, in the engine's step: refuse here,
+            # or a lone surrogate would fail that step and with it the engine.
+            raise AdmissionError("cache_salt must be valid Unicode text (it holds an unpaired surrogate).",
+                                 "cache_salt")
 
     def _check_in_vocab(self, token_ids: Iterable[int], param: str, what: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise AdmissionError(f"{what.format(bad)} is outside the vocabulary [0, {self.vocab_size}).", param)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

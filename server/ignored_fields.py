@@ -21,6 +21,8 @@ from kvserve.server.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS, Sampling
 logger = logging.getLogger(__name__)
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+MAX_LISTED = 16
+MAX_NAME_CHARS = 64
 _STATE_KEY = "ignored_fields"
 
 
@@ -34,9 +36,18 @@ def unknown_fields(body: SamplingFields) -> list[str]:
 def note_ignored_fields(request: Request, body: SamplingFields) -> None:
     names = unknown_fields(body)
     if names:
-        logger.warning("%s %s: ignoring unknown request fields: %s", request.method, request.url.path,
-                       ", ".join(names))
-        setattr(request.state, _STATE_KEY, names)
+        listed = _listed(names)
+        logger.warning("%s %s: ignoring unknown request fields: %s", request.method, request.url.path, listed)
+        setattr(request.state, _STATE_KEY, listed)
+
+
+def _listed(names: list[str]) -> str:
+    """The names, the first MAX_LISTED of them (each cut to MAX_NAME_CHARS) and a count of the
+    rest: a body of 10,000 made-up fields must not make a log line or a header of 100 KB (HTTP
+    clients refuse header lines over 64 KiB)."""
+    shown = [name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "..." for name in names[:MAX_LISTED]]
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f" (and {rest} more)" if rest else "")
 
 
 def _header_safe(text: str) -> str:
@@ -56,9 +67,9 @@ class IgnoredFieldsHeaderMiddleware:
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
-                names = scope.get("state", {}).get(_STATE_KEY)
-                if names:
-                    MutableHeaders(scope=message).append(IGNORED_FIELDS_HEADER, _header_safe(", ".join(names)))
+                listed = scope.get("state", {}).get(_STATE_KEY)
+                if listed:
+                    MutableHeaders(scope=message).append(IGNORED_FIELDS_HEADER, _header_safe(listed))
             await send(message)
 
         await self.app(scope, receive, send_with_header)

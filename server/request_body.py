@@ -1,14 +1,15 @@
 """Reads and validates a JSON request body before anything else touches it: size cap (413),
-content type and JSON syntax (400), then the pydantic model (400 naming the field)."""
+content type, JSON syntax and the decoder's bounds (400, see bounded_json.py), then the pydantic
+model (400 naming the field)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from kvserve.server.bounded_json import BodyJSONError, decode_json
 from kvserve.server.errors import bad_request, payload_too_large, validation_param
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -30,11 +31,10 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
         if size > max_bytes:
             raise payload_too_large(max_bytes)
         chunks.append(chunk)
-    raw = b"".join(chunks)
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"The request body is not valid JSON: {error}", code="invalid_json") from None
+        return decode_json(b"".join(chunks))
+    except BodyJSONError as error:
+        raise bad_request(str(error), code=error.code) from None
 
 
 def parse_body(model: type[ModelT], body: Any) -> ModelT:

@@ -55,4 +55,5 @@ def test_priority_needs_priority_scheduling() -> None:
 
 def test_cache_salt_must_not_be_empty() -> None:
     assert refusal(FCFS, [1], cache_salt="").param == "cache_salt"
+    assert refusal(FCFS, [1], cache_salt="tenant-\ud800").param == "cache_salt"  # the step would fail hashing it
     FCFS.check([1], SamplingParams(max_tokens=1), cache_salt="tenant-a")

@@ -40,6 +40,15 @@ async def test_unknown_fields_are_ignored_and_listed(client: httpx.AsyncClient, 
             [c.get("text", c.get("message")) for c in plain.json()["choices"]]
 
 
+async def test_many_unknown_fields_are_listed_in_bounded_space(client: httpx.AsyncClient) -> None:
+    made_up = {f"field_{i:05d}": i for i in range(10_000)} | {"x" * 10_000: 1}
+    response = await client.post(C, json={"prompt": "a", "max_tokens": 1, **made_up})
+    assert response.status_code == 200
+    listed = response.headers[IGNORED_FIELDS_HEADER]
+    assert listed.startswith("field_00000, field_00001, ") and listed.endswith(" (and 9985 more)")
+    assert len(listed) < 1000
+
+
 async def test_openai_no_effect_fields_are_not_reported(client: httpx.AsyncClient) -> None:
     response = await client.post(C, json={"prompt": "a", "max_tokens": 1, "store": False, "metadata": {"k": "v"}})
     assert response.status_code == 200
