@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from kvserve.server.anthropic import messages_router
 from kvserve.server.auth import ApiKeyMiddleware
 from kvserve.server.chat import chat_router
 from kvserve.server.completions import completions_router
@@ -18,6 +19,8 @@ from kvserve.server.http_metrics import HttpMetrics, HttpMetricsMiddleware
 from kvserve.server.ignored_fields import IgnoredFieldsHeaderMiddleware
 from kvserve.server.info_routes import kvserve_version, models_router, operations_router
 from kvserve.server.openapi import install_openapi
+from kvserve.server.responses import responses_router
+from kvserve.server.responses_store import ResponsesStore
 from kvserve.server.serving_state import ServingState
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tokenizer_info import tokenizer_info_router
@@ -35,6 +38,10 @@ def build_app(engine: ServingEngine | None, settings: ServerSettings, *,
     # by default (the middleware sees every request, whatever router serves it).
     app.include_router(completions_router(state))
     app.include_router(chat_router(state))
+    store = ResponsesStore(settings.responses_store_max_responses, settings.responses_store_max_bytes) \
+        if settings.enable_responses_store else None
+    app.include_router(responses_router(state, store))
+    app.include_router(messages_router(state))
     app.include_router(models_router(state))
     app.include_router(worker_info_router(state))
     app.include_router(tokenizer_info_router(state))

@@ -34,10 +34,16 @@ def unknown_fields(body: SamplingFields) -> list[str]:
 
 
 def note_ignored_fields(request: Request, body: SamplingFields) -> None:
-    names = unknown_fields(body)
+    note_ignored(request, unknown_fields(body))
+
+
+def note_ignored(request: Request, names: list[str]) -> None:
+    """Logs and reports what the request asked for that this server ignores (field names, or
+    e.g. the Responses API's built-in tools)."""
     if names:
         listed = _listed(names)
-        logger.warning("%s %s: ignoring unknown request fields: %s", request.method, request.url.path, listed)
+        logger.warning("%s %s: ignoring what this server does not implement: %s", request.method, request.url.path,
+                       listed)
         setattr(request.state, _STATE_KEY, listed)
 
 

@@ -24,6 +24,12 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {body}\n\n"
 
 
+def named_sse_event(payload: dict[str, Any]) -> str:
+    """An event with its `event:` line, as the Responses and Messages APIs stream (Anthropic's
+    clients dispatch on it): the name is the payload's `type`."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
 class EventStreamResponse(StreamingResponse):
     def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
         super().__init__(events, media_type="text/event-stream",

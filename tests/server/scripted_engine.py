@@ -4,7 +4,7 @@ how the server reads a model's output (tool calls) without a model that writes i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.scheduler.output import TokenLogprobs
@@ -13,22 +13,28 @@ from tests.server.fake_engine import FakeEngine
 
 
 class ScriptedEngine(FakeEngine):
-    def __init__(self, script: str = "", chars_per_step: int = 3) -> None:
+    """`script` may also be a function of the prompt's text: a reply that depends on the
+    conversation (an answer once the tool's result is in it)."""
+
+    def __init__(self, script: str | Callable[[str], str] = "", chars_per_step: int = 3) -> None:
         super().__init__(max_model_len=4096)
         self.script = script
         self.chars_per_step = chars_per_step
         self.last_params: SamplingParams | None = None
+        self.last_prompt_ids: list[int] = []
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
                        *, priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = sampling_params
         self.last_params = params
+        self.last_prompt_ids = ids
         assert params.max_tokens is not None
         self.started.append(request_id)
         # One "token" per character; the reply ends with the script (stop) or at max_tokens (length).
-        text = self.script[:params.max_tokens]
-        reason = "stop" if len(text) == len(self.script) else "length"
+        script = self.script(self.tokenizer.decode(ids)) if callable(self.script) else self.script
+        text = script[:params.max_tokens]
+        reason = "stop" if len(text) == len(script) else "length"
         steps = range(0, max(len(text), 1), self.chars_per_step)
         for start in steps:
             await asyncio.sleep(0)
