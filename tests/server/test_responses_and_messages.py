@@ -188,3 +188,14 @@ async def test_messages_errors_have_anthropics_shape(scripted, body, status, kin
     error = reply.json()
     assert reply.status_code == status and error["type"] == "error" and error["error"]["type"] == kind
     assert needle in error["error"]["message"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
+                                  "/v1/messages/count_tokens"])
+async def test_the_new_routes_need_the_api_key_in_either_header(path):
+    body = {"input": "hi", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    async for http, _ in _client(ScriptedEngine(SCRIPT), ServerSettings(api_key="sekrit")):
+        assert (await http.post(path, json=body)).status_code == 401
+        assert (await http.post(path, json=body, headers={"x-api-key": "sekrit"})).status_code == 200
+        assert (await http.post(path, json=body, headers={"Authorization": "Bearer sekrit"})).status_code == 200
