@@ -193,8 +193,12 @@ def test_hostile_bodies_get_4xx_on_one_usable_keep_alive_connection(server: str,
         if status >= 500:
             problems.append(f"{case.name}: {status} {raw[:200]!r}")
         elif status >= 400:
-            error = json.loads(raw).get("error", {})
-            if set(error) != {"message", "type", "param", "code"}:
+            body = json.loads(raw)
+            error = body.get("error", {})
+            if path.startswith("/v1/messages"):  # Anthropic's API, Anthropic's error shape
+                if body.get("type") != "error" or set(error) != {"type", "message"}:
+                    problems.append(f"{case.name}: {status} without Anthropic's error body: {raw[:200]!r}")
+            elif set(error) != {"message", "type", "param", "code"}:
                 problems.append(f"{case.name}: {status} without OpenAI's error body: {raw[:200]!r}")
         if headers.get("connection", "").lower() == "close" or connection.sock is not first_socket:
             problems.append(f"{case.name}: the server closed the keep-alive connection")
