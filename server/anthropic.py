@@ -49,7 +49,7 @@ def messages_router(state: ServingState) -> APIRouter:
     async def create_message(request: Request) -> Response:
         body = await read(request, MessagesRequest)
         engine = state.ready_engine()
-        translated = translate(body)
+        translated = translate(body, state.settings.limits.max_tokens)
         note_ignored(request, body.unknown_fields() + translated.ignored)
         message_id = new_item_id("msg")
         with fields_named(CHAT_FIELD_NAMES):
@@ -61,7 +61,7 @@ def messages_router(state: ServingState) -> APIRouter:
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         body = await read(request, CountTokensRequest)
-        translated = translate(body)
+        translated = translate(body, state.settings.limits.max_tokens)
         note_ignored(request, body.unknown_fields() + translated.ignored)
         with fields_named(CHAT_FIELD_NAMES):
             prompt = chat_prompt(state, state.ready_engine(), translated.chat)

@@ -2,14 +2,16 @@
 the chat path serves.
 
     system (string | text blocks)   a system message first
-    messages, by content block      text: the turn's text; tool_use (assistant): its tool_calls,
+    messages, by content block      (system turns among them: system messages in place)
+                                    text: the turn's text; tool_use (assistant): its tool_calls,
                                     `input` as JSON arguments; tool_result (user): a tool turn;
                                     thinking: dropped; image / document: a 400
     tools (input_schema)            function tools; server tools (typed, e.g. web_search_...) are
                                     ignored (X-Ignored-Fields)
     tool_choice                     auto / any (required) / tool (named) / none;
                                     disable_parallel_tool_use: parallel_tool_calls false
-    max_tokens (required)           max_completion_tokens
+    max_tokens (required)           max_completion_tokens (above --max-tokens-per-request: that cap)
+    output_config.format            response_format (json_schema through xgrammar)
     stop_sequences                  stop
 """
 
@@ -26,8 +28,10 @@ from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.request_body import parse_body
 from kvserve.server.translation import fields_named
 
-NO_EFFECT_FIELDS = frozenset({"metadata", "thinking", "service_tier", "container", "context_management"})
-CHAT_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+NO_EFFECT_FIELDS = frozenset({"metadata", "thinking", "service_tier", "container", "context_management",
+                              "output_config"})
+CHAT_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+                    "response_format": "output_config.format"}
 _UNSUPPORTED_BLOCKS = {"image": "images", "document": "documents", "search_result": "search results"}
 
 
@@ -59,13 +63,17 @@ class TranslatedRequest:
     ignored: list[str]  # server tools left out, for X-Ignored-Fields
 
 
-def translate(body: MessagesRequest) -> TranslatedRequest:
+def translate(body: MessagesRequest, max_tokens_cap: int) -> TranslatedRequest:
+    """`max_tokens_cap` is the server's --max-tokens-per-request: Anthropic's clients must send
+    max_tokens and send large ones (Claude Code 32000) as a ceiling, so one above the cap means
+    "as many as the server allows" rather than a 400."""
     messages = _system(body.system) + _messages(body.messages)
     if messages[-1]["role"] == "assistant":
         raise bad_request("A final assistant message (prefill) is not supported by this server: end the messages "
                           "with a user turn.", f"messages[{len(body.messages) - 1}]")
     tools, ignored = _function_tools(body.tools)
-    chat: dict[str, Any] = {"messages": messages, "max_completion_tokens": body.max_tokens, "stream": body.stream,
+    budget = body.max_tokens if body.max_tokens <= max_tokens_cap else None  # None: the rest of the context, capped
+    chat: dict[str, Any] = {"messages": messages, "max_completion_tokens": budget, "stream": body.stream,
                             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                             "stop": body.stop_sequences}
     choice = body.tool_choice or {"type": "auto"}
@@ -75,6 +83,11 @@ def translate(body: MessagesRequest) -> TranslatedRequest:
         chat["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use", False)
     elif choice.get("type") in ("any", "tool"):
         raise bad_request("tool_choice needs tools to choose from.", "tool_choice")
+    output_format = (body.model_extra or {}).get("output_config") or {}
+    output_format = output_format.get("format") if isinstance(output_format, dict) else None
+    if isinstance(output_format, dict) and output_format.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                          "schema": output_format.get("schema")}}
     with fields_named(CHAT_FIELD_NAMES):
         return TranslatedRequest(parse_body(ChatCompletionRequest, chat), ignored)
 
@@ -91,10 +104,12 @@ def _messages(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
         role = turn.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{where}.role must be 'user' or 'assistant', got {role!r}.", f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise bad_request(f"{where}.role must be 'user', 'assistant' or 'system', got {role!r}.", f"{where}.role")
         content = turn.get("content")
-        if isinstance(content, str):
+        if role == "system":  # Claude Code sends its environment notes as system turns between the others
+            messages += _system(content if isinstance(content, (str, list)) else "")
+        elif isinstance(content, str):
             messages.append({"role": role, "content": content})
         elif isinstance(content, list):
             messages += _assistant_turn(content, where) if role == "assistant" else _user_turn(content, where)

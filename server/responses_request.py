@@ -29,7 +29,7 @@ from kvserve.server.translation import fields_named
 # Accepted and without effect here (OpenAI's hosting options, reasoning effort, ...).
 NO_EFFECT_FIELDS = frozenset({"user", "metadata", "reasoning", "include", "truncation", "service_tier",
                               "prompt_cache_key", "prompt_cache_retention", "safety_identifier", "stream_options",
-                              "max_tool_calls", "store", "top_logprobs"})
+                              "max_tool_calls", "store", "top_logprobs", "client_metadata"})
 # vLLM's sampling extensions, passed to the chat path as they are.
 SAMPLING_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
                        "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "priority", "cache_salt")

@@ -157,26 +157,35 @@ async def test_messages_cut_off_stop_with_max_tokens(scripted):
 
 
 @pytest.mark.anyio
+async def test_a_max_tokens_above_the_servers_cap_is_taken_as_the_cap(scripted):
+    http, engine = scripted  # Claude Code sends max_tokens 32000 as a ceiling
+    reply = await http.post("/v1/messages", json={"max_tokens": 32000, "messages": [{"role": "user", "content": "x"}]})
+    assert reply.status_code == 200 and engine.last_params.max_tokens <= ServerSettings().limits.max_tokens
+
+
+@pytest.mark.anyio
 async def test_messages_translate_system_tool_use_and_tool_result(scripted):
     http, engine = scripted
     body = {"max_tokens": 10, "system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["END"],
             "top_k": 5, "messages": [
                 {"role": "user", "content": "Weather?"},
+                {"role": "system", "content": [{"type": "text", "text": "Now: noon."}]},
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""},
                                                   {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": 1}}]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
                     {"type": "text", "text": "sunny"}]}, {"type": "text", "text": "And?"}]}]}
     assert (await http.post("/v1/messages", json=body)).status_code == 200
     prompt = engine.tokenizer.decode(engine.last_prompt_ids)
-    assert prompt == "<system>Be brief.\n<user>Weather?\n<assistant>\n<tool>sunny\n<user>And?\n<assistant>"
+    assert prompt == ("<system>Be brief.\n<user>Weather?\n<system>Now: noon.\n<assistant>\n<tool>sunny\n<user>And?\n"
+                      "<assistant>")
     assert engine.last_params.stop == ("END",) and engine.last_params.top_k == 5
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(("body", "status", "kind", "needle"), [
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error", "max_tokens"),
-    ({"max_tokens": 10 ** 6, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
-     "max_tokens must be at most"),
+    ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
+     "max_tokens"),
     ({"max_tokens": 5, "messages": [{"role": "assistant", "content": "prefill"}]}, 400, "invalid_request_error",
      "prefill"),
     ({"max_tokens": 5, "model": "claude-x", "messages": [{"role": "user", "content": "x"}]}, 404, "not_found_error",
