@@ -135,6 +135,12 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                                "/metrics, /version and the API docs (also KVSERVE_API_KEY)"),
         http.add_argument("--max-queued-requests", type=_non_negative_int, default=server.max_queued_requests,
                           help="sequences that may wait beyond --max-num-seqs; past that, 503 + Retry-After"),
+        http.add_argument("--max-connections", type=_positive_int, default=server.max_connections,
+                          help="most open HTTP connections; one more is answered 503 and closed at once (keep it "
+                               "below the process's file-descriptor limit, ulimit -n)"),
+        http.add_argument("--header-timeout", type=_positive_float, default=server.header_timeout, metavar="SECONDS",
+                          help="a connection that has not sent a request's complete headers this long after it "
+                               "opened (or after its first byte following a keep-alive pause) is closed (408)"),
         http.add_argument("--shutdown-grace-period", type=_non_negative_float, default=server.shutdown_grace_period,
                           metavar="SECONDS", help="on SIGTERM, how long in-flight requests may take to finish"),
         http.add_argument("--log-level", choices=LOG_LEVELS, default=server.log_level, help="logging verbosity"),
@@ -231,7 +237,8 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             max_logit_bias=args.max_logit_bias)
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-            shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level, limits=limits,
+            shutdown_grace_period=args.shutdown_grace_period, max_connections=args.max_connections,
+            header_timeout=args.header_timeout, log_level=args.log_level, limits=limits,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, enable_responses_store=args.enable_responses_store,
             responses_store_max_responses=args.responses_store_max_responses,
@@ -297,6 +304,13 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
     return value
 
 

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvserve.engine import FinishReason
 from kvserve.engine.stats import EngineLoad, FinishedRequestStats, StepStats
+from kvserve.server.connection_guard import REFUSED_HEADER_TIMEOUT, REFUSED_LIMIT
 
 # Buckets span a slow CPU deployment (a 135M model decodes at ~30 ms/token and a long prompt can
 # queue for minutes) and a fast GPU one (single-millisecond steps), so both see useful quantiles.
@@ -136,6 +137,10 @@ class ServerMetrics:
         self._errors = Counter("kvserve_request_errors", "Requests answered with an error, by HTTP status code.", ["model_name", "code"], registry=self.registry)
         self._http_requests = Counter("kvserve_http_requests", "HTTP requests by route template, method and status.", labels, registry=self.registry)
         self._http_duration = Histogram("kvserve_http_request_duration_seconds", "HTTP request latency (until the last byte for streams) by route, method and status.", labels, registry=self.registry, buckets=HTTP_DURATION_BUCKETS_S)
+        refused = Counter("kvserve_http_connections_refused", "HTTP connections closed unserved: over --max-connections (connection_limit) or headers not complete within --header-timeout (header_timeout).", ["model_name", "reason"], registry=self.registry)
+        self._connections_refused = {reason: refused.labels(self.model_name, reason)
+                                     for reason in (REFUSED_LIMIT, REFUSED_HEADER_TIMEOUT)}
+        self._open_connections = Gauge("kvserve_http_open_connections", "Open HTTP connections (see --max-connections).", ["model_name"], registry=self.registry).labels(self.model_name)
 
     # --- StatsListener -------------------------------------------------------------------------
 
@@ -188,6 +193,14 @@ class ServerMetrics:
 
     def count_error(self, code: int) -> None:
         self._errors.labels(self.model_name, str(code)).inc()
+
+    # --- connections (server/connection_guard.py's ConnectionListener) --------------------------
+
+    def on_connection_refused(self, reason: str) -> None:
+        self._connections_refused[reason].inc()
+
+    def on_open_connections(self, count: int) -> None:
+        self._open_connections.set(count)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for the `/metrics` response."""

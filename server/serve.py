@@ -19,11 +19,14 @@ from types import FrameType
 from typing import TextIO
 
 import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.stats import StatsListener
 from kvserve.server.app import build_app, serving_state
+from kvserve.server.connection_guard import ConnectionLimits, ConnectionListener, ensure_descriptors, guarded_protocol
 from kvserve.server.info_routes import kvserve_version
 from kvserve.server.log_stats import LogStats
 from kvserve.server.metrics import ServerMetrics
@@ -71,9 +74,8 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, engine_f
         if len(signals_seen) > 1:
             loop.call_soon_threadsafe(state.abort_all.set)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            lifespan="off", timeout_graceful_shutdown=5, access_log=settings.log_level == "debug")
-    server = _SignalAwareServer(config, on_signal)
+    ensure_descriptors(settings.max_connections)
+    server = _SignalAwareServer(uvicorn_config(app, settings, metrics), on_signal)
     serve_task = asyncio.create_task(server.serve())
     while not server.started and not serve_task.done():
         await asyncio.sleep(0.02)
@@ -117,6 +119,15 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, engine_f
     engine.shutdown()
     print("kvserve: stopped", file=out, flush=True)
     return 0
+
+
+def uvicorn_config(app: FastAPI, settings: ServerSettings, listener: ConnectionListener | None = None
+                   ) -> uvicorn.Config:
+    """uvicorn's settings for `app`, its HTTP protocol guarded (connection cap, header timeout)."""
+    limits = ConnectionLimits(settings.max_connections, settings.header_timeout)
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          lifespan="off", timeout_graceful_shutdown=5, access_log=settings.log_level == "debug",
+                          http=guarded_protocol(AutoHTTPProtocol, limits, listener))
 
 
 def _load_in_thread(factory: EngineFactory, config: EngineConfig,

@@ -23,6 +23,10 @@ class ServerSettings:
     # past that, new requests get 503 + Retry-After instead of piling up unbounded latency.
     max_queued_requests: int = 256
     shutdown_grace_period: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    # Open HTTP connections allowed (more are answered 503 and closed at once), and the seconds a
+    # connection may take to send a request's headers: half-open connections cannot pile up.
+    max_connections: int = 1024
+    header_timeout: float = 10.0
     retry_after_s: int = 1
     log_level: str = "info"
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -46,6 +50,10 @@ class ServerSettings:
         if self.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests",
                               f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_connections < 1:
+            raise ConfigError("--max-connections", f"--max-connections must be >= 1, got {self.max_connections}")
+        if not math.isfinite(self.header_timeout) or self.header_timeout <= 0:
+            raise ConfigError("--header-timeout", f"--header-timeout must be > 0 seconds, got {self.header_timeout}")
         if not math.isfinite(self.shutdown_grace_period) or self.shutdown_grace_period < 0:
             raise ConfigError("--shutdown-grace-period",
                               f"--shutdown-grace-period must be >= 0 seconds, got {self.shutdown_grace_period}")

@@ -13,8 +13,10 @@ from fastapi import FastAPI
 
 
 @contextmanager
-def live_server(app: FastAPI) -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+def live_server(app: FastAPI, config: uvicorn.Config | None = None) -> Iterator[str]:
+    """`config` (for port 0 on 127.0.0.1) replaces uvicorn's defaults, e.g. serve.uvicorn_config's."""
+    server = uvicorn.Server(config or uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                     lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
