@@ -34,7 +34,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 def error_body(error: APIError) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if error.code == "context_length_exceeded":  # Anthropic's wording, which clients (Claude Code) look for
+        message = f"prompt is too long: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(error: APIError) -> JSONResponse:

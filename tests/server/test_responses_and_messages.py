@@ -208,3 +208,11 @@ async def test_the_new_routes_need_the_api_key_in_either_header(path):
         assert (await http.post(path, json=body)).status_code == 401
         assert (await http.post(path, json=body, headers={"x-api-key": "sekrit"})).status_code == 200
         assert (await http.post(path, json=body, headers={"Authorization": "Bearer sekrit"})).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_a_prompt_too_long_for_the_context_says_so_in_anthropics_words():
+    async for http, _ in _client(ScriptedEngine(SCRIPT), ServerSettings()):  # Claude Code looks for the words
+        reply = await http.post("/v1/messages", json={"max_tokens": 10, "messages": [
+            {"role": "user", "content": "x" * 5000}]})
+        assert reply.status_code == 400 and reply.json()["error"]["message"].startswith("prompt is too long: ")
