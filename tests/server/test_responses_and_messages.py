@@ -216,3 +216,25 @@ async def test_a_prompt_too_long_for_the_context_says_so_in_anthropics_words():
         reply = await http.post("/v1/messages", json={"max_tokens": 10, "messages": [
             {"role": "user", "content": "x" * 5000}]})
         assert reply.status_code == 400 and reply.json()["error"]["message"].startswith("prompt is too long: ")
+
+
+class _FailsMidway(ScriptedEngine):
+    """Writes one step of the script, then the engine fails."""
+
+    async def generate(self, prompt, sampling_params, request_id, *, priority=0, cache_salt=None):
+        async for output in super().generate(prompt, sampling_params, request_id, priority=priority,
+                                             cache_salt=cache_salt):
+            yield output
+            raise RuntimeError("the engine broke")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("path", "body", "check"), [
+    ("/v1/responses", {"input": "hi"}, lambda e: e["type"] == "error" and "the engine broke" in e["message"]),
+    ("/v1/messages", {"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]},
+     lambda e: e == {"type": "error", "error": {"type": "api_error", "message": e["error"]["message"]}}),
+])
+async def test_a_stream_that_fails_ends_with_the_apis_error_event(path, body, check):
+    async for http, _ in _client(_FailsMidway(SCRIPT), ServerSettings()):
+        events = named_events((await http.post(path, json={**body, "stream": True})).text)
+        assert check(events[-1]) and len(events) > 2, events[-1]
