@@ -210,5 +210,16 @@ def compile_at_start_up(warm_up: Callable[[], None]) -> None:
         cache = os.environ[INDUCTOR_CACHE_ENV] = str(kvserve_cache_dir() / "inductor")
     logger.info("compiling the forward with torch.compile (cache: %s; --enforce-eager skips this)", cache)
     start = time.perf_counter()
+    before = _graph_cache_counts()
     warm_up()
-    logger.info("forward compiled in %.1f s", time.perf_counter() - start)
+    hits, misses = (after - earlier for after, earlier in zip(_graph_cache_counts(), before))
+    # The counts show whether a start found its graphs in the cache (a warm start, e.g. an image
+    # whose cache was filled at build time) or compiled them.
+    logger.info("forward compiled in %.1f s (inductor's graph cache: %d hits, %d misses)",
+                time.perf_counter() - start, hits, misses)
+
+
+def _graph_cache_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
