@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from kvserve.engine import EngineConfig, LLMEngine, SamplingParams
 from kvserve.engine.device import resolve_device, resolve_dtype
-from kvserve.engine.model.model_config import load_model_config
+from kvserve.engine.model.registry import load_model_config
 from kvserve.engine.model.model_source import resolve_model
 from kvserve.engine.parallel.process_group import free_loopback_port, join_group, leave_group, rank_device
 

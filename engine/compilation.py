@@ -51,7 +51,7 @@ from torch._dynamo.types import GuardFilterEntry
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from kvserve.engine.attention_metadata import AttentionMetadata
-from kvserve.engine.model.llama import DecoderLayer, KVCache, LlamaForCausalLM, Rope
+from kvserve.engine.model.protocol import CausalLM, KVCache, Rope
 from kvserve.kernels import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ PER_CALL_ARGUMENTS = frozenset({"x", "rope", "kv_cache", "meta"})
 _ROOT_NAME = re.compile(r"\w*")
 
 
-def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
+def _run_layer(layer: torch.nn.Module, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
                attention: AttentionBackend) -> torch.Tensor:
     return layer.forward(x, rope, kv_cache, meta, attention)
 
@@ -90,7 +90,7 @@ def _per_call_guards(entries: Sequence[GuardFilterEntry]) -> list[bool]:
 COMPILE_OPTIONS = {"guard_filter_fn": _per_call_guards, **SKIPPED_CHECKS}
 
 
-def compile_layers(model: LlamaForCausalLM) -> None:
+def compile_layers(model: CausalLM) -> None:
     """Routes every decoder layer's call through one compiled function, private to this model.
     Call it once the model's modules are final (after any weight quantization or packing swapped
     them): a layer is traced as it is when first run, and later changes go unnoticed."""
@@ -128,7 +128,7 @@ class _DirectLayerCalls:
         self.graphs: dict[tuple[int, int, int], Callable[..., torch.Tensor]] = {}
         self.functions: dict[types.CodeType, Callable[..., torch.Tensor]] = {}  # one per graph
 
-    def __call__(self, layer: DecoderLayer, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
+    def __call__(self, layer: torch.nn.Module, x: torch.Tensor, rope: Rope, kv_cache: KVCache,
                  meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
         if x.dtype != self.dtype or rope[0].dtype != self.dtype:
             return self.guarded(layer, x, rope, kv_cache, meta, attention)
@@ -154,7 +154,7 @@ class _DirectLayerCalls:
         return None
 
 
-def bind_compiled_graphs(model: LlamaForCausalLM, warm_ups: Sequence[Callable[[], None]]) -> bool:
+def bind_compiled_graphs(model: CausalLM, warm_ups: Sequence[Callable[[], None]]) -> bool:
     """Runs the warm-up forwards of a model passed to `compile_layers` (each compiles or loads
     the graph of one kind of step), then routes its layer calls straight into their graphs
     (_DirectLayerCalls): no torch.compile wrapper, and guards only on new sizes. Where the
@@ -169,7 +169,7 @@ def bind_compiled_graphs(model: LlamaForCausalLM, warm_ups: Sequence[Callable[[]
         return False
     guarded = model.layers[0]._compiled_call_impl.func  # the torch.compile'd _run_layer
     # The dtype of every hidden state and rope table the model's forward makes.
-    calls = _DirectLayerCalls(guarded, model.embed_tokens.weight.dtype, isolation_ids.pop())
+    calls = _DirectLayerCalls(guarded, model.dtype, isolation_ids.pop())
     for layer in model.layers:
         layer._compiled_call_impl = functools.partial(calls, layer)
     return True

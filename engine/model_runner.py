@@ -16,8 +16,8 @@ import torch
 
 from kvserve.engine.attention_metadata import AttentionMetadata, build_flat_batch
 from kvserve.engine.compilation import bind_compiled_graphs, compile_layers, mark_cache_shapes_static, symbolic_sizes
-from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
@@ -47,7 +47,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         kv_spec: KVCacheSpec,
         attention: AttentionBackend,
@@ -63,7 +63,7 @@ class ModelRunner:
         self.graphs_bound = False  # layers called straight through their compiled graphs (warm_up)
         if compiled:
             compile_layers(model)
-        self.model_dtype = next(model.parameters()).dtype
+        self.model_dtype = model.dtype
         self.model_config = model_config
         self.kv_spec = kv_spec
         self.attention = attention

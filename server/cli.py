@@ -258,8 +258,8 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def _check_tensor_parallel(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
     """A size that does not divide the model's heads is a usage error (exit 2), found from the
     model's metadata before any weight loads or worker starts. Imported here: it needs torch."""
-    from kvserve.engine.model.model_config import load_model_config
-    from kvserve.engine.parallel.sharding import check_tensor_parallel
+    from kvserve.engine.model.registry import load_model_config
+    from kvserve.engine.model.tensor_parallel import check_tensor_parallel
 
     try:
         check_tensor_parallel(load_model_config(resolve_model(config.model).path), config.tensor_parallel_size)

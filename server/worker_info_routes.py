@@ -21,13 +21,11 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from kvserve.engine.model.model_config import HF_ARCHITECTURES
+from kvserve.engine.model.registry import hf_architecture_name
 from kvserve.server.engine_protocol import ServingEngine
 from kvserve.server.errors import unavailable
 from kvserve.server.info_routes import kvserve_version
 from kvserve.server.serving_state import ServingState
-
-_HF_ARCHITECTURE = {short: hf_name for hf_name, short in HF_ARCHITECTURES.items()}
 
 
 def worker_info_router(state: ServingState) -> APIRouter:
@@ -77,7 +75,7 @@ def worker_info_router(state: ServingState) -> APIRouter:
             "kvserve_model": engine.config.model,
             "is_generation": True,
             "model_type": shape.architecture,
-            "architectures": [_HF_ARCHITECTURE[shape.architecture]],
+            "architectures": [hf_architecture_name(shape.architecture)],
             "max_model_len": engine.max_model_len,
             "vocab_size": shape.vocab_size,
             "num_layers": shape.num_layers,

@@ -12,12 +12,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from kvserve.engine.model.model_config import ModelConfig
-from kvserve.engine.model.model_errors import CorruptModelError, ModelConfigError, UnsupportedArchitectureError
+from kvserve.engine.model.model_errors import CorruptModelError, ModelConfigError
 from kvserve.paging.kv_sizing import ModelShape
-
-# GGUF `general.architecture` -> ours. llama.cpp writes Mistral checkpoints as "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
 
 def read_gguf(path: Path) -> gguf.GGUFReader:
@@ -84,46 +80,35 @@ def shape_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelShape:
         raise ModelConfigError(str(exc)) from exc
 
 
-def model_config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
-    gguf_arch = field_value(reader, "general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitectureError(str(gguf_arch), str(path))
+class GGUFFields:
+    """One GGUF file's metadata as a family's config parser reads it: `{architecture}.{key}`
+    fields, general ones, the tensor directory, and small tensors that carry configuration."""
 
-    def get(key: str, default: Any = None) -> Any:
-        value = field_value(reader, f"{gguf_arch}.{key}")
+    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
+        self.reader, self.path = reader, path
+        self.architecture = str(field_value(reader, "general.architecture"))
+        self.tensor_names = frozenset(t.name for t in reader.tensors)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`{architecture}.{key}`; without a default, a missing field is a CorruptModelError."""
+        value = field_value(self.reader, f"{self.architecture}.{key}")
         if value is None and default is None:
-            raise CorruptModelError(f"{path}: GGUF metadata lacks {gguf_arch}.{key}")
+            raise CorruptModelError(f"{self.path}: GGUF metadata lacks {self.architecture}.{key}")
         return default if value is None else value
 
-    shape = shape_from_gguf(reader, path)
-    tensor_names = {t.name for t in reader.tensors}
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
-    vocab_size = int(get("vocab_size", len(tokens) if tokens else None))
-    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    eot = field_value(reader, "tokenizer.ggml.eot_token_id")
-    scaling_type = field_value(reader, f"{gguf_arch}.rope.scaling.type")
-    rope_scaling = None
-    if scaling_type in ("linear", "dynamic"):
-        rope_scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ModelConfigError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
-    # Llama 3.1 GGUFs carry their llama3 rope scaling as a `rope_freqs.weight` tensor instead of
-    # metadata; the loader applies it to the rotary inverse frequencies directly.
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[gguf_arch],
-        vocab_size=vocab_size,
-        hidden_size=int(get("embedding_length")),
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(t for t in (eos, eot) if t is not None)),
-    )
+    def optional(self, key: str) -> Any:
+        return field_value(self.reader, f"{self.architecture}.{key}")
+
+    def general(self, key: str) -> Any:
+        """A field by its full name ("tokenizer.ggml.eos_token_id"), None when absent."""
+        return field_value(self.reader, key)
+
+    def shape(self) -> ModelShape:
+        return shape_from_gguf(self.reader, self.path)
+
+    def small_tensor(self, name: str) -> np.ndarray | None:
+        """A float32 tensor that carries configuration (llama.cpp's `rope_freqs.weight`)."""
+        for tensor in self.reader.tensors:
+            if tensor.name == name:
+                return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        return None

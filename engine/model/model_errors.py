@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from collections.abc import Sequence
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -18,11 +18,12 @@ class CorruptModelError(ValueError):
 class UnsupportedArchitectureError(ValueError):
     """The checkpoint is a model family kvserve does not implement."""
 
-    def __init__(self, architecture: str, where: str) -> None:
-        super().__init__(
-            f"{where}: architecture {architecture!r} is not supported; kvserve runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family) models"
-        )
+    def __init__(self, architecture: str, where: str, supported: Sequence[str], spelled: Sequence[str] = ()) -> None:
+        """supported: the registry's architecture names; spelled: how `where` spells them
+        (config.json's class names), when it spells them differently."""
+        also = f" (in config.json: {', '.join(spelled)})" if spelled else ""
+        super().__init__(f"{where}: architecture {architecture!r} is not supported; kvserve runs "
+                         f"{', '.join(supported)}{also}")
         self.architecture = architecture
 
 

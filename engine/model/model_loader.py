@@ -1,90 +1,136 @@
-"""`load_model`: a ModelSource -> (ModelConfig, LlamaForCausalLM) on the chosen device and dtype.
+"""`load_model`: a ModelSource -> (ModelConfig, decoder) on the chosen device and dtype, for one
+tensor-parallel rank (the whole model for a single one).
 
-Both formats first become a state dict in transformers' names; `fuse_weights` then maps it onto
-our module (fused qkv_proj and gate_up_proj) and checks that every weight is present and shaped
-right, so a damaged or mismatched checkpoint fails with its tensor named.
+    registry: the checkpoint's architecture -> its ModelFamily -> config
+    family.build(config, parallel) on the meta device: the rank's module, no memory yet
+    family.checkpoint_layout(config): each parameter <- its checkpoint tensors and split
+    per parameter: read this rank's slice of each source, concatenate, adopt it
+
+One tensor is read at a time, and only the rank's slice of it, so a rank never holds the
+unsharded model. Every checkpoint tensor's full shape is checked against the unsharded model
+first, so a damaged or mismatched checkpoint fails with its tensor named, whatever the rank count.
 """
 
 from __future__ import annotations
 
-import re
+from contextlib import AbstractContextManager
 
 import torch
+from torch import nn
 
-from kvserve.engine.model.gguf_loader import load_gguf_weights
-from kvserve.engine.model.gguf_metadata import model_config_from_gguf, read_gguf
-from kvserve.engine.model.hf_loader import load_hf_weights
-from kvserve.engine.model.llama import LlamaForCausalLM
-from kvserve.engine.model.model_config import ModelConfig, load_model_config
+from kvserve.engine.model.checkpoint import Checkpoint
+from kvserve.engine.model.gguf_checkpoint import GGUFCheckpoint
+from kvserve.engine.model.gguf_metadata import read_gguf
+from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import CorruptModelError
+from kvserve.engine.model.model_family import ModelFamily, Split, WeightTarget
 from kvserve.engine.model.model_source import ModelSource
-from kvserve.engine.model.rope import RotaryEmbedding
+from kvserve.engine.model.parallel_layers import ParallelWrapper
+from kvserve.engine.model.protocol import CausalLM
+from kvserve.engine.model.registry import family_of, load_model_config, model_config_from_gguf
+from kvserve.engine.model.safetensors_checkpoint import SafetensorsCheckpoint
+from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
 
-LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _take(weights: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
-    if name not in weights:
-        raise CorruptModelError(f"{where}: weight {name!r} is missing from the checkpoint")
-    return weights.pop(name)
+Slot = tuple[nn.Module, str]  # (module, parameter attribute)
 
 
-def fuse_weights(weights: dict[str, torch.Tensor], config: ModelConfig, where: str) -> dict[str, torch.Tensor]:
-    """HF names -> LlamaForCausalLM names. Consumes `weights` to keep peak memory at one copy."""
-    fused = {
-        "embed_tokens.weight": _take(weights, "model.embed_tokens.weight", where),
-        "norm.weight": _take(weights, "model.norm.weight", where),
-    }
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
-    else:
-        fused["lm_head.weight"] = _take(weights, "lm_head.weight", where)
-    for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        for same in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                     "mlp.down_proj.weight"):
-            fused[dst + same] = _take(weights, src + same, where)
-        fused[dst + "self_attn.qkv_proj.weight"] = torch.cat(
-            [_take(weights, f"{src}self_attn.{p}_proj.weight", where) for p in "qkv"])
-        if config.attention_bias:
-            fused[dst + "self_attn.qkv_proj.bias"] = torch.cat(
-                [_take(weights, f"{src}self_attn.{p}_proj.bias", where) for p in "qkv"])
-        fused[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [_take(weights, f"{src}mlp.{p}_proj.weight", where) for p in ("gate", "up")])
-    if weights:
-        names = sorted(weights)
-        raise CorruptModelError(f"{where}: unexpected weights {names[:5]}{' ...' if len(names) > 5 else ''}; "
-                                "the checkpoint does not match its config")
-    return fused
-
-
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                where: str, rope_freq_factors: torch.Tensor | None = None) -> LlamaForCausalLM:
-    """Assemble the module on the meta device and adopt the loaded tensors (no double allocation)."""
-    state = fuse_weights(weights, config, where)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-    for name, shape in expected.items():
-        if state[name].shape != shape:
-            raise CorruptModelError(f"{where}: weight {name!r} has shape {tuple(state[name].shape)}, "
-                                    f"the config implies {tuple(shape)}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rotary_emb = RotaryEmbedding(config, rope_freq_factors).to(device)
-    return model.eval().requires_grad_(False)
-
-
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, LlamaForCausalLM]:
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               parallel: TensorParallel = SINGLE) -> tuple[ModelConfig, CausalLM]:
     device = torch.device(device)
     if source.format == "gguf":
         reader = read_gguf(source.path)
         config = model_config_from_gguf(reader, source.path)
-        weights, rope_factors = load_gguf_weights(reader, config, source.path, dtype, device)
-        return config, build_model(config, weights, device, str(source.path), rope_factors)
-    config = load_model_config(source.path)
-    weights = load_hf_weights(source.path, dtype, device)
-    return config, build_model(config, weights, device, str(source.path))
+        family = family_of(config)
+        checkpoint: AbstractContextManager[Checkpoint] = GGUFCheckpoint(reader, source.path, family, config)
+    else:
+        config = load_model_config(source.path)
+        family = family_of(config)
+        checkpoint = SafetensorsCheckpoint(source.path)
+    with checkpoint as opened:
+        return config, build_model(family, config, opened, dtype, device, parallel)
+
+
+def build_model(family: ModelFamily, config: ModelConfig, checkpoint: Checkpoint, dtype: torch.dtype,
+                device: torch.device, parallel: TensorParallel = SINGLE) -> CausalLM:
+    """Builds the rank's module on the meta device and adopts its slice of every weight."""
+    layout = family.checkpoint_layout(config)
+    _check_names(checkpoint, layout.targets, layout.ignored)
+    with torch.device("meta"):
+        full_shapes = {name: getattr(*slot).shape for name, slot in _slots(family.build(config, SINGLE)).items()}
+        model = family.build(config, parallel)
+    slots = _slots(model)
+    sharing = _sharing(slots)
+    for target in layout.targets:
+        _check_full_shape(checkpoint, target, full_shapes[target.name])
+        tensor = _read_slice(checkpoint, target, parallel, dtype, device)
+        module, attr = slots[target.name]
+        if tensor.shape != getattr(module, attr).shape:  # the split's arithmetic, not the checkpoint
+            raise CorruptModelError(f"{checkpoint.where}: rank {parallel.rank}'s slice of {target.name!r} has shape "
+                                    f"{tuple(tensor.shape)}, its module {tuple(getattr(module, attr).shape)}")
+        parameter = nn.Parameter(tensor, requires_grad=False)
+        for shared_module, shared_attr in sharing[id(getattr(module, attr))]:
+            setattr(shared_module, shared_attr, parameter)  # tied weights stay one tensor
+    model.to(device)  # buffers derived from the config (rope tables) were built on the CPU
+    unloaded = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if unloaded:
+        raise CorruptModelError(f"{checkpoint.where}: the checkpoint layout leaves {unloaded[:5]} unloaded")
+    return model.eval().requires_grad_(False)
+
+
+def _slots(model: nn.Module, prefix: str = "") -> dict[str, Slot]:
+    """Every parameter under its checkpoint-layout name: a parallel wrapper's inner layer
+    (`o_proj.linear.weight`) answers to the wrapper's name (`o_proj.weight`)."""
+    slots: dict[str, Slot] = {f"{prefix}{name}": (model, name) for name, _ in model.named_parameters(recurse=False)}
+    for name, child in model.named_children():
+        inner = isinstance(model, ParallelWrapper) and name == "linear"
+        slots |= _slots(child, prefix if inner else f"{prefix}{name}.")
+    return slots
+
+
+def _sharing(slots: dict[str, Slot]) -> dict[int, list[Slot]]:
+    """Slots by the identity of the parameter they hold now (tied weights share one)."""
+    by_parameter: dict[int, list[Slot]] = {}
+    for module, attr in slots.values():
+        by_parameter.setdefault(id(getattr(module, attr)), []).append((module, attr))
+    return by_parameter
+
+
+def _check_names(checkpoint: Checkpoint, targets: tuple[WeightTarget, ...], ignored: frozenset[str]) -> None:
+    expected = {source for target in targets for source in target.sources}
+    unexpected = sorted(checkpoint.names() - expected - ignored)
+    if unexpected:
+        raise CorruptModelError(f"{checkpoint.where}: unexpected weights {unexpected[:5]}"
+                                f"{' ...' if len(unexpected) > 5 else ''}; the checkpoint does not match its config")
+
+
+def _check_full_shape(checkpoint: Checkpoint, target: WeightTarget, expected: torch.Size) -> None:
+    shapes = [checkpoint.shape(source) for source in target.sources]
+    if len({shape[1:] for shape in shapes}) == 1:
+        found = (sum(shape[0] for shape in shapes), *shapes[0][1:]) if shapes[0] else ()
+    else:
+        found = shapes  # sources that cannot even be concatenated
+    if tuple(found) != tuple(expected):
+        raise CorruptModelError(f"{checkpoint.where}: weight {target.name!r} has shape {tuple(found)}, "
+                                f"the config implies {tuple(expected)}")
+
+
+def _read_slice(checkpoint: Checkpoint, target: WeightTarget, parallel: TensorParallel, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    parts = []
+    for source in target.sources:
+        if target.split is Split.REPLICATED or not parallel.is_sharded:
+            parts.append(checkpoint.read(source, None, 0, 0, dtype, device))
+            continue
+        dim = 1 if target.split is Split.ROW else 0
+        size = checkpoint.shape(source)[dim]
+        if target.split is Split.VOCAB:
+            start, stop = parallel.vocab_range(size)
+            rows = checkpoint.read(source, 0, start, min(stop, size), dtype, device)
+            parts.append(torch.cat([rows, rows.new_zeros(stop - start - rows.shape[0], *rows.shape[1:])])
+                         if rows.shape[0] < stop - start else rows)
+            continue
+        if size % parallel.world_size:
+            raise CorruptModelError(f"{checkpoint.where}: {source!r} ({size} along dim {dim}) does not split over "
+                                    f"{parallel.world_size} tensor-parallel ranks")
+        parts.append(checkpoint.read(source, dim, *parallel.range_of(size), dtype, device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

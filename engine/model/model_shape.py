@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from kvserve.engine.model.gguf_metadata import read_gguf, shape_from_gguf
-from kvserve.engine.model.model_config import shape_from_hf_dict
+from kvserve.engine.model.hf_config import shape_from_hf_dict
 from kvserve.engine.model.model_errors import CorruptModelError
 from kvserve.paging.kv_sizing import PRESETS, ModelShape
 

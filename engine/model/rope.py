@@ -17,7 +17,9 @@ from kvserve.engine.model.model_config import ModelConfig
 
 
 def base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU explicitly: a model is built on the meta device before its weights load, and
+    # these tables come from the config, not the checkpoint (the loader moves them to the device).
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
@@ -41,9 +43,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin computed in float32 from integer positions, for q [T, H, D] and k [T, Hkv, D]."""
 
-    def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None) -> None:
-        """freq_factors: per-frequency divisors from a GGUF's `rope_freqs.weight` (llama.cpp's
-        encoding of llama3 scaling), applied on top of the config's scaling."""
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.theta = config.rope_theta
@@ -58,10 +58,13 @@ class RotaryEmbedding(torch.nn.Module):
                                        int(scaling["original_max_position_embeddings"]))
         elif self.rope_type == "linear":
             inv_freq = inv_freq / self.factor  # same as positions / factor, rounded as transformers does
-        if freq_factors is not None:
-            if freq_factors.shape != inv_freq.shape:
-                raise ValueError(f"rope frequency factors must have shape {tuple(inv_freq.shape)}, got {tuple(freq_factors.shape)}")
-            inv_freq = inv_freq / freq_factors.float().cpu()
+        if config.rope_freq_factors is not None:
+            # Per-frequency divisors from a GGUF's `rope_freqs.weight` (llama.cpp's encoding of
+            # llama3 scaling), applied on top of the config's scaling.
+            factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"rope frequency factors must have shape {tuple(inv_freq.shape)}, got {tuple(factors.shape)}")
+            inv_freq = inv_freq / factors
         # A buffer so that it follows .to(device); not persistent: it is derived from the config,
         # and keeping it out of the state dict keeps it float32 when weights are bfloat16.
         self.register_buffer("inv_freq", inv_freq, persistent=False)

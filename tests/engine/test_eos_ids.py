@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvserve.engine import LLM, SamplingParams
-from kvserve.engine.model.model_config import end_of_generation_ids, load_model_config
+from kvserve.engine.model.model_config import end_of_generation_ids
+from kvserve.engine.model.registry import load_model_config
 from tests.engine.tiny_model_dir import TOKENIZER_EOS, write_tiny_model
 
 PROMPTS = ["w5 w6 w7", "w9 w10", "w40 w41 w42 w43"]

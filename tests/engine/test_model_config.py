@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvserve.engine.model.model_config import ModelConfig, load_model_config, model_config_from_hf_dict
+from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.registry import load_model_config, model_config_from_hf_dict
 from kvserve.engine.model.model_errors import ModelConfigError, ModelNotFoundError, UnsupportedArchitectureError
 
 LLAMA3_HF = {

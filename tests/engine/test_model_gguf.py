@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.engine.model.gguf_loader import unpermute_rope_rows
-from kvserve.engine.model.model_config import load_model_config
+from kvserve.engine.model.gguf_checkpoint import unpermute_rope_rows
+from kvserve.engine.model.registry import load_model_config
 from kvserve.engine.model.model_errors import CorruptModelError, UnsupportedArchitectureError
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model.model_source import ModelSource

@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from kvserve.engine.model.model_config import load_model_config
+from kvserve.engine.model.registry import load_model_config
 from kvserve.engine.model.model_errors import CorruptModelError, ModelConfigError
 from kvserve.engine.model.model_shape import resolve_model_shape
 from kvserve.paging.kv_sizing import PRESETS

@@ -69,7 +69,7 @@ def test_vocab_shards_are_padded_to_equal_sizes_with_rows_no_token_reaches() -> 
 
 
 def test_sizes_that_do_not_divide_the_heads_are_refused(tiny_gqa: Path) -> None:
-    from kvserve.engine.model.model_config import load_model_config
+    from kvserve.engine.model.registry import load_model_config
 
     config = load_model_config(tiny_gqa)
     assert rank_model_config(config, 2).num_kv_heads == 1

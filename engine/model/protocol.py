@@ -1,0 +1,48 @@
+"""What the runner and the compile wrapper may rely on in a decoder model, whatever its family.
+
+    model(input_ids, positions, kv_caches, attn_metadata, attention) -> hidden [T, hidden]
+    model.compute_logits(hidden [N, hidden]) -> logits [N, vocab]   (model dtype)
+    model.layers: nn.ModuleList; each called as layer(x, rope, kv_cache, meta, attention)
+    model.dtype: the dtype of its hidden states (and of the rope tables it passes the layers)
+
+`rope` is the tuple of tables the model computes once per forward, in its dtype, and hands every
+layer (Llama: cos and sin of the step's positions); the compile wrapper treats it as a per-call
+input and reads only its first table's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from kvserve.engine.attention_metadata import AttentionMetadata
+    from kvserve.kernels import AttentionBackend
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache): [num_blocks, Hkv, block_size, D]
+Rope = tuple[torch.Tensor, ...]  # per model: Llama's (cos, sin) tables [T, D]
+
+
+@runtime_checkable
+class DecoderLayer(Protocol):
+    def __call__(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
+                 attention: AttentionBackend) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    layers: nn.ModuleList
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 attn_metadata: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Any: ...
+
+    def modules(self) -> Any: ...
