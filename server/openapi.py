@@ -17,11 +17,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from kvserve.server.anthropic_request import CountTokensRequest, MessagesRequest
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.responses_request import ResponsesRequest
 
 REQUEST_BODIES: Mapping[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/responses", "post"): ResponsesRequest,
+    ("/v1/responses/input_tokens", "post"): ResponsesRequest,
+    ("/v1/messages", "post"): MessagesRequest,
+    ("/v1/messages/count_tokens", "post"): CountTokensRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
 }

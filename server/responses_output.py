@@ -232,10 +232,10 @@ def response_header(response_id: str, created_at: int, model: str, request: dict
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
         "previous_response_id": request.get("previous_response_id"),
         "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": store,
-        "temperature": request.get("temperature", 1.0) if request.get("temperature") is not None else 1.0,
+        "temperature": 1.0 if request.get("temperature") is None else request["temperature"],
         "text": {"format": text.get("format") or {"type": "text"}, "verbosity": text.get("verbosity") or "medium"},
         "tool_choice": request.get("tool_choice") or "auto",
         "tools": [t for t in request.get("tools") or [] if t.get("type") == "function"],
-        "top_logprobs": 0, "top_p": request.get("top_p") if request.get("top_p") is not None else 1.0,
+        "top_logprobs": 0, "top_p": 1.0 if request.get("top_p") is None else request["top_p"],
         "truncation": "disabled", "usage": None, "user": request.get("user"), "metadata": request.get("metadata") or {},
     }
