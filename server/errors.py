@@ -1,8 +1,8 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
 
 Routes raise `APIError` (built by the small constructors below); the handlers installed by
-`install_error_handlers` turn it, FastAPI's own errors and any unexpected exception into that body,
-so a client never sees an HTML page or a bare stack trace.
+`install_error_handlers` turn it, FastAPI's own errors and (UnexpectedErrorMiddleware) any
+unexpected exception into that body, so a client never sees an HTML page or a bare stack trace.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.engine import AdmissionError
 
@@ -145,14 +146,41 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, error_type), status_code=exc.status_code,
                             headers=dict(exc.headers or {}))
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"),
-                            status_code=500)
-
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(ClientDisconnected, on_client_gone)
     app.add_exception_handler(ClientDisconnect, on_client_gone)  # starlette's: gone while its body was read
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
-    app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(UnexpectedErrorMiddleware)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an exception that no handler took (a server bug) with OpenAI's error body and a
+    500, itself. Left to Starlette's outermost middleware, the 500 would be sent and the error
+    re-raised to uvicorn, which then closes the connection: one failed request would break the
+    client's keep-alive connection for the next. Mid-response nothing can be answered any more,
+    so there the error goes on up, and closing the connection is what tells the client."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            response = JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error",
+                                               code="internal_error"), status_code=500)
+            await response(scope, receive, send)

@@ -5,6 +5,7 @@ and never hangs."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import threading
@@ -155,3 +156,28 @@ def test_an_engine_fault_is_a_500_and_counted_as_one(stream: bool) -> None:
     else:
         assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
         assert counts == {"500": 1, "http_5xx": 1}, counts
+
+
+def test_an_unexpected_error_is_a_500_with_the_error_body_and_the_connection_survives() -> None:
+    app = metered_app(FakeEngine())
+
+    @app.get("/raise")
+    async def buggy() -> None:
+        raise RuntimeError("a bug")
+
+    with live_server(app) as url:
+        address = urlparse(url)
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+        connection.request("GET", "/raise")
+        response = connection.getresponse()
+        body = json.loads(response.read())
+        first_socket = connection.sock
+        connection.request("GET", "/health")  # the same keep-alive connection
+        health = connection.getresponse()
+        health.read()
+        assert connection.sock is first_socket and health.status == 200
+        counts = error_counts(url)
+    assert response.status == 500 and response.getheader("connection") != "close"
+    assert body["error"] == {"message": "Internal server error: RuntimeError: a bug", "type": "server_error",
+                             "param": None, "code": "internal_error"}
+    assert counts == {"500": 1, "http_5xx": 1}
