@@ -64,9 +64,9 @@ class Batch:
         """Append new_tokens[i] to request i; returns the last row's logits per request."""
         q_lens = [len(t) for t in new_tokens]
         seq_lens = [n + q for n, q in zip(self.lens, q_lens)]
-        flat = build_flat_batch(q_lens, self.lens, self.block_ids, BLOCK_SIZE)
+        flat = build_flat_batch(q_lens, self.lens, [self.block_ids], BLOCK_SIZE)
         ids = torch.tensor([t for toks in new_tokens for t in toks])
-        hidden = self.model(ids, flat.positions, self.kv_caches, flat.attn_metadata, self.attention)
+        hidden = self.model(ids, flat.positions, self.kv_caches, flat.layer_metadata([0] * len(self.kv_caches)), self.attention)
         last_rows = torch.tensor(seq_lens) - torch.tensor(self.lens)
         self.lens = seq_lens
         return self.model.compute_logits(hidden[torch.cumsum(last_rows, 0) - 1])
@@ -103,8 +103,8 @@ def greedy(model, config, dtype, prompts: list[list[int]], max_new: int) -> list
 def mean_nll(model, config, dtype, ids: list[int]) -> float:
     """Teacher-forced next-token negative log-likelihood (nats/token) of one passage."""
     runner = Batch(model, config, dtype, 1, len(ids))
-    flat = build_flat_batch([len(ids)], [0], runner.block_ids, BLOCK_SIZE)
-    hidden = model(torch.tensor(ids), flat.positions, runner.kv_caches, flat.attn_metadata, runner.attention)
+    flat = build_flat_batch([len(ids)], [0], [runner.block_ids], BLOCK_SIZE)
+    hidden = model(torch.tensor(ids), flat.positions, runner.kv_caches, flat.layer_metadata([0] * len(runner.kv_caches)), runner.attention)
     logits = model.compute_logits(hidden)
     return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
 

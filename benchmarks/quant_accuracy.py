@@ -88,8 +88,8 @@ def passage_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
     # variant adds graphs until dynamo's recompile limit and the later engines run eagerly.
     with torch.inference_mode(), symbolic_sizes():
         runner = Batch(model, config, torch.bfloat16, 1, len(ids))
-        flat = build_flat_batch([len(ids)], [0], runner.block_ids, BLOCK_SIZE)
-        hidden = model(torch.tensor(ids), flat.positions, runner.kv_caches, flat.attn_metadata, runner.attention)
+        flat = build_flat_batch([len(ids)], [0], [runner.block_ids], BLOCK_SIZE)
+        hidden = model(torch.tensor(ids), flat.positions, runner.kv_caches, flat.layer_metadata([0] * len(runner.kv_caches)), runner.attention)
         return model.compute_logits(hidden).float(), torch.tensor(ids[1:])
 
 

@@ -20,7 +20,7 @@ import torch
 
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
-from kvserve.scheduler.output import ScheduledRequest
+from kvserve.engine.input_batch import CachedRequestState
 from kvserve.scheduler.sampling_params import SamplingParams
 
 VOCAB_SIZE = 49152
@@ -43,14 +43,16 @@ MIXES = {
 MASKED_MIXES = {"1/8 grammar-masked, greedy"}
 
 
-def make_rows(num_rows: int, output_len: int, params_of) -> list[ScheduledRequest]:
+def make_rows(num_rows: int, output_len: int, params_of) -> list[CachedRequestState]:
+    """The runner's states of `num_rows` decoding requests (128-token prompts, `output_len` outputs)."""
     rows = []
     for i in range(num_rows):
         prompt = [(i * 7919 + j * 104729) % VOCAB_SIZE for j in range(128)]
         output = [(i * 31 + j * 977) % VOCAB_SIZE for j in range(output_len)]
-        rows.append(ScheduledRequest(
-            request_id=f"r{i}", token_ids=output[-1:], num_computed_tokens=128 + output_len - 1, block_ids=[0],
-            samples=True, sampling_params=params_of(i), seed=i, prompt_token_ids=prompt, output_token_ids=output))
+        state = CachedRequestState(f"r{i}", len(prompt), params_of(i), seed=i, block_ids=[[0]])
+        state.append_tokens(prompt + output)
+        state.num_computed_tokens, state.num_new_tokens, state.samples = len(prompt) + output_len - 1, 1, True
+        rows.append(state)
     return rows
 
 
@@ -70,8 +72,8 @@ def measure(num_rows: int, params_of, masked: bool, args: argparse.Namespace) ->
         built = time.perf_counter()
         out = sampler(logits if mask is None else apply_token_mask(logits, mask), batch)
         done = time.perf_counter()
-        for row, token in zip(rows, out.token_ids):  # the scheduler appends the sampled token
-            row.output_token_ids.append(token)
+        for row, token in zip(rows, out.token_ids):  # the next step's diff brings the sampled token
+            row.append_tokens([token])
         if step >= args.warmup_steps:
             build.append(built - start)
             sample.append(done - built)

@@ -21,8 +21,9 @@ VOCAB_SIZE = 49152
 
 
 def fake_model(output: SchedulerOutput) -> ModelRunnerOutput:
+    """Next token: a function of the token the step diff brought (the last one sent)."""
     sampling = [r for r in output.scheduled if r.samples]
-    tokens = [(r.token_ids[-1] * 31 + 7) % VOCAB_SIZE for r in sampling]
+    tokens = [[(r.new_token_ids[-1] * 31 + 7) % VOCAB_SIZE] for r in sampling]
     return ModelRunnerOutput([r.request_id for r in sampling], tokens, [None] * len(sampling))
 
 

@@ -94,15 +94,15 @@ class AsyncEngine:
 
     @property
     def block_size(self) -> int:
-        return self.engine.model_runner.kv_spec.block_size
+        return self.engine.model_runner.kv_cache_config.block_size
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.engine.model_runner.kv_spec.num_blocks
+        return self.engine.model_runner.kv_cache_config.num_blocks
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.engine.model_runner.kv_spec.bytes(self.engine.model_config)
+        return self.engine.model_runner.kv_cache_config.total_bytes
 
     @property
     def dtype(self) -> torch.dtype:

@@ -50,9 +50,8 @@ import torch.fx.experimental._config as fx_config
 from torch._dynamo.types import GuardFilterEntry
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from kvserve.engine.attention_metadata import AttentionMetadata
-from kvserve.engine.model.protocol import CausalLM, KVCache, Rope
-from kvserve.kernels import AttentionBackend
+from kvserve.engine.model.protocol import CausalLM, Rope
+from kvserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -181,11 +181,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        for scheduled in scheduler_output.scheduled:
-            # A request first runs while computing its prompt; one past it has run before
-            # (skipping those keeps the per-step work off the decoding rows).
-            if scheduled.num_computed_tokens < len(scheduled.prompt_token_ids):
-                self.tracker.mark_scheduled(scheduled.request_id, start)
+        for new in scheduler_output.new_requests:  # scheduled for the first time
+            self.tracker.mark_scheduled(new.request_id, start)
+        prompt_tokens = self._prompt_tokens(scheduler_output) if self.stats_listeners else 0
         token_mask = self.structured_output.token_mask(scheduler_output)
         # Unconstrained steps (nearly all) call the runner exactly as before.
         runner_output = (self.model_runner.execute(scheduler_output) if token_mask is None
@@ -225,7 +223,7 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
             self.tracker.pop_if_finished(group)
-        self._emit_step(scheduler_output, start, time.monotonic())
+        self._emit_step(scheduler_output, prompt_tokens, start, time.monotonic())
         return outputs
 
     # ------------------------------------------------------------------ stats out
@@ -234,16 +232,22 @@ class LLMEngine:
         for listener in self.stats_listeners:
             listener.on_request_finished(stats)
 
-    def _emit_step(self, output: SchedulerOutput, start: float, end: float) -> None:
+    def _prompt_tokens(self, output: SchedulerOutput) -> int:
+        """Prompt tokens this step computes (before it runs: the requests still know their share)."""
+        total = 0
+        for scheduled in output.scheduled:
+            request = self.scheduler.get_request(scheduled.request_id)
+            if request is not None:
+                total += max(0, min(scheduled.seq_len, request.num_prompt_tokens) - scheduled.num_computed_tokens)
+        return total
+
+    def _emit_step(self, output: SchedulerOutput, prompt_tokens: int, start: float, end: float) -> None:
         if not self.stats_listeners:
             return
         kv = self.scheduler.kv_cache_manager.stats()
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         last_queries, last_hits = self._last_prefix_stats
         self._last_prefix_stats = (queries, hits)
-        prompt_tokens = sum(
-            max(0, min(r.seq_len, len(r.prompt_token_ids)) - r.num_computed_tokens) for r in output.scheduled
-        )
         stats = StepStats(
             timestamp=end,
             duration_s=end - start,

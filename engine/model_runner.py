@@ -1,9 +1,11 @@
 """ModelRunner: owns the KV cache tensors and turns a SchedulerOutput into one forward pass.
 
-    SchedulerOutput ──► input_ids, positions, AttentionMetadata ──► model.forward ──► hidden
+    SchedulerOutput ──► InputBatch (its diffs applied to the runner's copy of each request)
+                    ──► input_ids, positions, AttentionMetadata per layer group ──► model.forward ──► hidden
     hidden[last row of each sampling request] ──► logits ──► Sampler ──► ModelRunnerOutput
 
-Metadata is built once per step (attention_metadata.build_flat_batch), with decodes first.
+Metadata is built once per step (attention_metadata.build_flat_batch), with decodes first, and
+goes through the backend's `prepare` once per group before the first layer.
 """
 
 from __future__ import annotations
@@ -14,34 +16,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.engine.attention_metadata import AttentionMetadata, build_flat_batch
+from kvserve.engine.attention_metadata import build_flat_batch
 from kvserve.engine.compilation import bind_compiled_graphs, compile_layers, mark_cache_shapes_static, symbolic_sizes
+from kvserve.engine.input_batch import CachedRequestState, InputBatch
+from kvserve.engine.kv_cache_tensors import KVCacheTensors
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
-from kvserve.kernels import AttentionBackend
-from kvserve.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_blocks: int
-    block_size: int
-    dtype: torch.dtype
-
-    def bytes(self, model_config: ModelConfig) -> int:
-        return model_config.kv_shape().bytes_per_block(self.dtype.itemsize, self.block_size) * self.num_blocks
+from kvserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from kvserve.paging import KVCacheConfig
+from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    attn_metadata: list[AttentionMetadata]  # one per layer (its group's), prepared by the backend
     logits_indices: torch.Tensor  # row of each sampling request's last token in the flat batch
-    requests: list[ScheduledRequest]  # in the flattened order (decodes first)
+    requests: list[CachedRequestState]  # in the flattened order (decodes first)
 
 
 class ModelRunner:
@@ -49,7 +44,8 @@ class ModelRunner:
         self,
         model: CausalLM,
         model_config: ModelConfig,
-        kv_spec: KVCacheSpec,
+        kv_cache_config: KVCacheConfig,
+        kv_dtype: torch.dtype,
         attention: AttentionBackend,
         device: torch.device,
         eos_token_ids: tuple[int, ...],
@@ -57,7 +53,8 @@ class ModelRunner:
         compiled: bool = False,
     ) -> None:
         """compiled: run the decoder layers through torch.compile (engine/compilation.py); call
-        `warm_up` once before serving so that compiling happens at start-up."""
+        `warm_up` once before serving so that compiling happens at start-up. `kv_cache_config`
+        must have been planned from this model's `kv_cache_specs` (its groups name its layers)."""
         self.model = model
         self.compiled = compiled
         self.graphs_bound = False  # layers called straight through their compiled graphs (warm_up)
@@ -65,29 +62,43 @@ class ModelRunner:
             compile_layers(model)
         self.model_dtype = model.dtype
         self.model_config = model_config
-        self.kv_spec = kv_spec
+        if kv_cache_config.num_layers != len(model.layers):
+            raise ValueError(f"the KV cache config covers {kv_cache_config.num_layers} layers, the model has "
+                             f"{len(model.layers)}: plan it from this model's kv_cache_specs()")
+        self.kv_cache_config = kv_cache_config
         self.attention = attention
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
-        shape = (kv_spec.num_blocks, model_config.num_kv_heads, kv_spec.block_size, model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_spec.dtype, device=device), torch.zeros(shape, dtype=kv_spec.dtype, device=device))
-            for _ in range(model_config.num_layers)
-        ]
+        self.input_batch = InputBatch(len(kv_cache_config.groups))
+        self.kv_cache_tensors = KVCacheTensors.allocate(kv_cache_config, kv_dtype, device)
         if compiled:
             mark_cache_shapes_static(self.kv_caches)
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        """(key, value) cache of each layer."""
+        return self.kv_cache_tensors.layers
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache_config.block_size
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, token_mask: TokenMask | None = None) -> ModelRunnerOutput:
         """`token_mask` restricts the constrained rows' next token to their grammars."""
+        if output.finished_req_ids:
+            self.sampler.token_counts.remove(output.finished_req_ids)
         if output.blocks_to_copy:
-            self._copy_blocks(output.blocks_to_copy)
-        inputs = self.prepare_inputs(output)
+            self.kv_cache_tensors.copy_blocks(output.blocks_to_copy)
+        states = self.input_batch.apply(output)
+        if not states:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[])
+        inputs = self.prepare_inputs(states)
         hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         plan = PromptLogprobsPlan.from_scheduled(inputs.requests)  # rows in the flattened order
         prompt_logprobs = {} if plan is None else compute_prompt_logprobs(hidden, plan, self.model.compute_logits)
-        sampling = [r for r in output.scheduled if r.samples]
+        sampling = [state for state in states if state.samples]
         if not sampling:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -97,36 +108,39 @@ class ModelRunner:
                                              self.device)
         sampled = self.sampler(logits, batch)
         return ModelRunnerOutput(
-            request_ids=[r.request_id for r in sampling],
-            sampled_token_ids=sampled.token_ids,
-            logprobs=sampled.logprobs,
+            request_ids=[state.request_id for state in sampling],
+            sampled_token_ids=[[token_id] for token_id in sampled.token_ids],
+            logprobs=[None if entry is None else [entry] for entry in sampled.logprobs],
             prompt_logprobs=prompt_logprobs,
         )
 
-    def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
-        """Flattens the step with single-token requests (decodes) first, as the attention
-        kernels want; `logits_indices` stays in the scheduler's order of sampling requests."""
-        scheduled = output.scheduled
-        query_lens = [len(r.token_ids) for r in scheduled]
-        if max(query_lens, default=0) == 1:  # all decodes (steady state): already in order
-            order, batch, batch_lens = list(range(len(scheduled))), list(scheduled), query_lens
+    def prepare_inputs(self, states: list[CachedRequestState]) -> StepInputs:
+        """Flattens the step (`states` in the scheduler's order, diffs applied) with single-token
+        requests (decodes) first, as the attention kernels want; `logits_indices` stays in the
+        scheduler's order of sampling requests."""
+        query_lens = [state.num_new_tokens for state in states]
+        if max(query_lens) == 1:  # all decodes (steady state): already in order
+            order, batch, batch_lens = list(range(len(states))), states, query_lens
+            token_ids = [state.all_token_ids[state.num_computed_tokens] for state in batch]
         else:
-            order = sorted(range(len(scheduled)), key=lambda i: query_lens[i] != 1)  # stable
-            batch = [scheduled[i] for i in order]
+            order = sorted(range(len(states)), key=lambda i: query_lens[i] != 1)  # stable
+            batch = [states[i] for i in order]
             batch_lens = [query_lens[i] for i in order]
-        flat = build_flat_batch(batch_lens, [r.num_computed_tokens for r in batch],
-                                [r.block_ids for r in batch], self.kv_spec.block_size, self.device)
-        input_ids = np.fromiter((t for r in batch for t in r.token_ids), dtype=np.int64, count=flat.attn_metadata.num_tokens)
+            token_ids = [t for state in batch for t in state.step_token_ids()]
+        tables = [[state.block_ids[group] for state in batch] for group in range(len(self.kv_cache_config.groups))]
+        flat = build_flat_batch(batch_lens, [state.num_computed_tokens for state in batch], tables, self.block_size,
+                                self.device)
+        group_metadata = [self.attention.prepare(meta) for meta in flat.group_metadata]
         # Request i of the scheduler's order is flattened request position[i], whose last row is
         # ends[position[i]] - 1.
         position = np.empty(len(order), dtype=np.int64)
         position[order] = np.arange(len(order))
         ends = np.cumsum(batch_lens)
-        logits_indices = ends[position[[i for i, r in enumerate(scheduled) if r.samples]]] - 1
+        logits_indices = ends[position[[i for i, state in enumerate(states) if state.samples]]] - 1
         return StepInputs(
-            input_ids=torch.from_numpy(input_ids).to(self.device),
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=flat.positions,
-            attn_metadata=flat.attn_metadata,
+            attn_metadata=[group_metadata[group] for group in self.kv_cache_tensors.group_of_layer],
             logits_indices=torch.from_numpy(logits_indices).to(self.device),
             requests=batch,
         )
@@ -145,20 +159,14 @@ class ModelRunner:
                 forward()
 
     def _warm_up_forward(self, query_lens: list[int]) -> None:
-        flat = build_flat_batch(query_lens, [0] * len(query_lens), [[0]] * len(query_lens),
-                                self.kv_spec.block_size, self.device)
-        input_ids = torch.zeros(flat.attn_metadata.num_tokens, dtype=torch.int64, device=self.device)
-        self._forward(input_ids, flat.positions, flat.attn_metadata)
+        tables = [[[0]] * len(query_lens) for _ in self.kv_cache_config.groups]
+        flat = build_flat_batch(query_lens, [0] * len(query_lens), tables, self.block_size, self.device)
+        metadata = [self.attention.prepare(meta) for meta in flat.group_metadata]
+        input_ids = torch.zeros(flat.positions.shape[0], dtype=torch.int64, device=self.device)
+        self._forward(input_ids, flat.positions, [metadata[g] for g in self.kv_cache_tensors.group_of_layer])
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
         if not self.compiled:
             return self.model(input_ids, positions, self.kv_caches, meta, self.attention)
         with symbolic_sizes():
             return self.model(input_ids, positions, self.kv_caches, meta, self.attention)
-
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for key_cache, value_cache in self.kv_caches:
-            key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]

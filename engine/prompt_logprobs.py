@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from kvserve.scheduler.output import PromptLogprobs, ScheduledRequest, TokenLogprobs
+from kvserve.scheduler.output import PromptLogprobs, TokenLogprobs
+
+if TYPE_CHECKING:
+    from kvserve.engine.input_batch import CachedRequestState
 
 _ROWS_PER_SLICE = 256
 
@@ -42,7 +46,7 @@ class PromptLogprobsPlan:
     targets: list[int]
 
     @classmethod
-    def from_scheduled(cls, scheduled: Sequence[ScheduledRequest]) -> "PromptLogprobsPlan | None":
+    def from_scheduled(cls, scheduled: Sequence[CachedRequestState]) -> "PromptLogprobsPlan | None":
         """None when no request in the step asks for prompt logprobs (the common case costs one
         attribute read per request)."""
         spans: list[_Span] = []
@@ -50,17 +54,17 @@ class PromptLogprobsPlan:
         targets: list[int] = []
         first_row = 0
         for request in scheduled:
-            row, first_row = first_row, first_row + len(request.token_ids)
+            row, first_row = first_row, first_row + request.num_new_tokens
             num_top = request.sampling_params.prompt_logprobs
             if num_top is None:
                 continue
             start = request.num_computed_tokens
-            end = min(start + len(request.token_ids), len(request.prompt_token_ids) - 1)
+            end = min(start + request.num_new_tokens, request.num_prompt_tokens - 1)
             if end <= start:
                 continue  # a decode step, or only the last prompt position
             spans.append(_Span(request.request_id, start + 1, end - start, num_top))
             rows.extend(range(row, row + end - start))
-            targets.extend(request.prompt_token_ids[start + 1:end + 1])
+            targets.extend(request.all_token_ids[start + 1:end + 1])
         return cls(spans, rows, targets) if spans else None
 
 

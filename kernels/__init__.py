@@ -5,8 +5,10 @@ Two implementations of one contract (see torch_attention.py for the cache layout
 - Triton (triton_*.py): the GPU path, imported lazily so machines without triton still work.
 """
 
+from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.backends import (
     AttentionBackend,
+    KVCache,
     TorchAttentionBackend,
     TritonAttentionBackend,
     select_attention_backend,
@@ -17,8 +19,10 @@ from kvserve.kernels.validation import FP8_KV_DTYPE, KernelInputError
 
 __all__ = [
     "AttentionBackend",
+    "AttentionMetadata",
     "FP8_E4M3_MAX",
     "FP8_KV_DTYPE",
+    "KVCache",
     "KernelInputError",
     "TorchAttentionBackend",
     "TritonAttentionBackend",

@@ -24,6 +24,27 @@ MAX_SPLITS = 16
 MIN_TOKENS_PER_SPLIT = 256  # below this the merge costs more than the parallelism gains
 
 
+class StepLaunches:
+    """One step's launch set-up, shared by its layers: the first layer of a shape checks the
+    shapes, plans the launch and allocates the split-KV buffers; every later layer of the step
+    with the same shapes (a model's layers all have them) reuses that (TritonAttentionBackend.prepare
+    attaches one to the step's metadata)."""
+
+    def __init__(self) -> None:
+        self._by_shape: dict[tuple, tuple[LaunchPlan, torch.Tensor | None, torch.Tensor | None]] = {}
+
+    @staticmethod
+    def key(query: torch.Tensor, key_cache: torch.Tensor) -> tuple:
+        return (tuple(query.shape), query.stride(), query.dtype, query.device, tuple(key_cache.shape),
+                key_cache.stride(), key_cache.dtype)
+
+    def get(self, key: tuple) -> tuple[LaunchPlan, torch.Tensor | None, torch.Tensor | None] | None:
+        return self._by_shape.get(key)
+
+    def put(self, key: tuple, launch: tuple[LaunchPlan, torch.Tensor | None, torch.Tensor | None]) -> None:
+        self._by_shape[key] = launch
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     block_q: int  # query tokens per program
@@ -80,45 +101,55 @@ def triton_paged_attention(
     num_decodes: int | None = None,
     num_kv_splits: int | None = None,
     check_block_tables: bool = False,
+    launches: StepLaunches | None = None,
 ) -> torch.Tensor:
     """Same contract as `torch_attention.paged_attention`. `check_block_tables` validates the
     metadata's contents (a host sync: for debugging, not serving); `num_kv_splits` forces the
     flash-decoding split count (tests use it to exercise the merge on tiny shapes). One launch
-    covers decodes and chunks alike, so `num_decodes` only tells the planner when all are decodes."""
-    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
-    if query.stride(-1) != 1:
-        raise KernelInputError("query must be contiguous in head_dim (the last dimension); call .contiguous() first")
-    if key_cache.stride() != value_cache.stride():
-        raise KernelInputError(f"key_cache strides {key_cache.stride()} differ from value_cache's {value_cache.stride()}; allocate both alike")
-    if query.shape[2] < MIN_DOT_SIZE:
-        raise KernelInputError(f"the Triton kernel needs head_dim >= {MIN_DOT_SIZE}, got {query.shape[2]}; use the torch backend")
+    covers decodes and chunks alike, so `num_decodes` only tells the planner when all are decodes.
+    `launches` (one per step) carries the checks, plan and buffers from the step's first layer
+    to the others."""
+    key = StepLaunches.key(query, key_cache) if launches is not None else None
+    launch = launches.get(key) if launches is not None else None
+    if launch is None:
+        check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+        if query.stride(-1) != 1:
+            raise KernelInputError("query must be contiguous in head_dim (the last dimension); call .contiguous() first")
+        if key_cache.stride() != value_cache.stride():
+            raise KernelInputError(f"key_cache strides {key_cache.stride()} differ from value_cache's {value_cache.stride()}; allocate both alike")
+        if query.shape[2] < MIN_DOT_SIZE:
+            raise KernelInputError(f"the Triton kernel needs head_dim >= {MIN_DOT_SIZE}, got {query.shape[2]}; use the torch backend")
     if check_block_tables:
         check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
-    score_scale_log2 = scale * check_scale("k_scale", k_scale) * LOG2_E
-    out_scale = check_scale("v_scale", v_scale)
-
+    out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _, num_kv_heads, block_size, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
     if num_tokens == 0:
         return out
+    score_scale_log2 = scale * check_scale("k_scale", k_scale) * LOG2_E
+    out_scale = check_scale("v_scale", v_scale)
+    group = num_heads // num_kv_heads
     on_gpu = query.device.type == "cuda"
-    num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if on_gpu else 1
-    max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-    if num_decodes == num_seqs:
-        max_query_len = 1
-    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, max_context, num_sms, num_kv_splits, max_query_len)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    if launch is None:
+        num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if on_gpu else 1
+        max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, max_context, num_sms, num_kv_splits,
+                           1 if num_decodes == num_seqs else max_query_len)
+        partial_out = partial_lse = None  # a single split writes `out` directly
+        if plan.num_splits > 1:
+            partial_out = torch.empty(plan.num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32, device=query.device)
+            partial_lse = torch.empty(plan.num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)
+        launch = (plan, partial_out, partial_lse)
+        if launches is not None:
+            launches.put(key, launch)
+    plan, partial_out, partial_lse = launch
+    if partial_out is None:  # never read by the single-split program; any tensor fills the argument
+        partial_out = partial_lse = out
     # The interpreter multiplies bf16 bits wrongly in tl.dot, so off-GPU everything is fp32; on a
     # GPU fp32 inputs ask for IEEE products (TF32 would cost ~3 decimal digits).
     dot_fp32 = not on_gpu or query.dtype == torch.float32
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    if plan.num_splits > 1:
-        partial_out = torch.empty(plan.num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty(plan.num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device)
-    else:  # never read: the single-split program writes `out` directly
-        partial_out = partial_lse = out
 
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, plan.num_splits)
     paged_attention_kernel[grid](

@@ -3,11 +3,17 @@
 Per step, for each request it runs, the scheduler calls
 
     blocks, num_cached = manager.get_computed_blocks(tokens, salt)     # first time only
-    block_ids = manager.allocate_slots(request_id, tokens, num_computed, num_new, blocks, salt)
-    if block_ids is None: preempt someone (manager.free(victim)) and retry, or wait
+    new_blocks = manager.allocate_slots(request_id, tokens, num_computed, num_new, blocks, salt)
+    if new_blocks is None: preempt someone (manager.free(victim)) and retry, or wait
 
 and after schedule() it drains `take_blocks_to_copy()` into the SchedulerOutput so the runner
 copies copy-on-write blocks before the forward pass.
+
+A model whose layers keep different caches has several layer groups (paging/kv_cache_spec.py):
+the request keeps one block table per group, every group draws from one allocator, and each
+group's kind of layer has its own small manager (paging/single_type_manager.py). Block ids go
+per group, in group order: `get_computed_blocks` and `allocate_slots` speak tuples with one
+entry per group.
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ from dataclasses import dataclass
 from kvserve.paging.block_allocator import BlockAllocator
 from kvserve.paging.block_table import BlockTable
 from kvserve.paging.errors import PagingError, UnknownRequestError
-from kvserve.paging.prefix_cache import BlockHash, PrefixCache, root_hash
+from kvserve.paging.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, check_max_model_len_fits
+from kvserve.paging.prefix_cache import BlockHash, root_hash
+from kvserve.paging.single_type_manager import FullAttentionManager
+
+# Per group: block ids (new ones appended to a table, or a prefix hit's).
+GroupBlockIds = tuple[tuple[int, ...], ...]
+# allocate_slots' answer when no table gained a block (15 decode steps in 16).
+NO_NEW_BLOCKS: GroupBlockIds = ()
+MANAGER_OF_KIND = {FullAttentionSpec: FullAttentionManager}
 
 
 @dataclass(frozen=True)
@@ -49,37 +63,63 @@ class KVCacheStats:
 
 @dataclass
 class _RequestBlocks:
-    table: BlockTable
+    tables: list[BlockTable]  # one per layer group
     root: BlockHash  # the chain's start, from the request's cache salt
     # Chained keys of the request's first len(block_hashes) full blocks; each was offered to the
-    # prefix cache when it filled, so only later blocks are hashed and registered.
+    # prefix cache (of every group) when it filled, so only later blocks are hashed and registered.
     block_hashes: list[BlockHash]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
-        self._prefix_cache = PrefixCache(block_size)
-        self._allocator = BlockAllocator(num_blocks, block_size, on_evict=self._prefix_cache.forget)
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 group_specs: Sequence[KVCacheSpec] | None = None) -> None:
+        """`group_specs`: one spec per layer group (KVCacheConfig.groups); None is one group of
+        full-attention layers, all the bookkeeping a plain decoder needs."""
+        self._allocator = BlockAllocator(num_blocks, block_size, on_evict=self._forget_evicted)
+        specs = list(group_specs) if group_specs is not None else [FullAttentionSpec(1, 1, "any", 1)]
+        self._group_specs = specs
+        self._groups = [MANAGER_OF_KIND[type(spec)](self._allocator, block_size) for spec in specs]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._requests: dict[str, _RequestBlocks] = {}
-        self._blocks_to_copy: list[tuple[int, int]] = []
+        self._rewritten: set[str] = set()
+        self.prefix_cache_queries = 0  # cumulative, tokens looked up
+        self.prefix_cache_hits = 0  # cumulative, tokens found (in every group)
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig, enable_prefix_caching: bool = True) -> "KVCacheManager":
+        return cls(config.num_blocks, config.block_size, enable_prefix_caching, [g.spec for g in config.groups])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: free plus evictable cached."""
         return self._allocator.num_available
 
-    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> tuple[list[int], int]:
-        """Longest cached prefix of full blocks, verified against stored token ids, capped so at
-        least one token remains to compute (its logits are needed to sample). Takes no references.
-        Returns (block ids, number of tokens they hold)."""
+    def check_max_model_len_fits(self, max_model_len: int) -> None:
+        """Raises KVCacheTooSmallError when one request of max_model_len tokens could not hold
+        its blocks in every group at once."""
+        check_max_model_len_fits(self._group_specs, max_model_len, self.num_blocks, self.block_size)
+
+    def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> tuple[GroupBlockIds, int]:
+        """Longest cached prefix of full blocks that every group holds, verified against stored
+        token ids, capped so at least one token remains to compute (its logits are needed to
+        sample). Takes no references. Returns (block ids per group, number of tokens they hold)."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return tuple(() for _ in self._groups), 0
         max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
-        blocks = self._prefix_cache.lookup(token_ids, root_hash(cache_salt), max_blocks)
-        return blocks, len(blocks) * self.block_size
+        root, hashes = root_hash(cache_salt), []
+        hits: list[list[int]] = []
+        for group in self._groups:  # each group looks no further than the ones before it found
+            hits.append(group.find_longest_cache_hit(token_ids, hashes, root, max_blocks))
+            max_blocks = min(max_blocks, len(hits[-1]))
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += max_blocks * self.block_size
+        return tuple(tuple(blocks[:max_blocks]) for blocks in hits), max_blocks * self.block_size
 
     def allocate_slots(
         self,
@@ -87,55 +127,56 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[int] = (),
+        new_computed_blocks: GroupBlockIds = (),
         cache_salt: str | None = None,
-    ) -> list[int] | None:
-        """Make the request's table cover num_computed_tokens + num_new_tokens positions and
-        return it, or return None and change nothing when the blocks are not there.
-        `new_computed_blocks` (from get_computed_blocks) count on the first call only."""
+    ) -> GroupBlockIds | None:
+        """Make the request's tables cover num_computed_tokens + num_new_tokens positions and
+        return the block ids this call appended (per group; NO_NEW_BLOCKS when none), or return
+        None and change nothing when the blocks are not there. A first call returns the whole
+        tables, prefix hits included. `new_computed_blocks` (from get_computed_blocks) count on
+        the first call only. A table rewritten by copy-on-write is reported by
+        `take_rewritten_request_ids` instead."""
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got num_computed_tokens={num_computed_tokens}, num_new_tokens={num_new_tokens}")
         state = self._requests.get(request_id)
-        if state is None or new_computed_blocks:
+        if state is None or any(new_computed_blocks):
             return self._allocate_first(request_id, state, token_ids, num_computed_tokens, num_new_tokens,
                                         new_computed_blocks, cache_salt)
         # The per-step path (every running request, every step): the request holds blocks and
         # only grows. Kept free of anything a decode step does not need.
-        table = state.table
         size = self.block_size
         end = num_computed_tokens + num_new_tokens
         first = num_computed_tokens // size
-        # Steady decode, 15 steps in 16: the step writes into one block the request already
-        # holds alone, so there is nothing to allocate or copy, only a fill count to advance
-        # (and, when the block just filled, a prefix-cache entry to offer).
-        if 0 < num_new_tokens and end <= (first + 1) * size and first < len(table):
-            block_id = table[first]
-            if not self._allocator.is_shared(block_id) and not self._prefix_cache.is_cached(block_id):
-                self._allocator.fill_held(block_id, end - first * size)
+        # Steady decode, 15 steps in 16: the step writes into one block each table already holds
+        # alone, so there is nothing to allocate or copy, only fill counts to advance (and, when
+        # the block just filled, prefix-cache entries to offer).
+        if 0 < num_new_tokens and end <= (first + 1) * size and self._writes_in_place(state.tables, first):
+            fill = end - first * size
+            for table in state.tables:
+                self._allocator.fill_held(table[first], fill)
                 if end > table.num_tokens:
                     table.num_tokens = end
-                if self.enable_prefix_caching:
-                    num_full = min(len(token_ids), end) // size
-                    if num_full > len(state.block_hashes):
-                        self._register_full_blocks(state, token_ids, num_full)
-                return table.block_ids
-        num_blocks_needed = -(-end // size)
-        num_held = len(table)
-        # Copy-on-write: blocks this step writes into that another request also holds, or that
-        # the prefix cache holds (its tokens are promised to future hits). Normally that is the
-        # partial block a fork shares; a cached block is only written after a fork that ends
-        # mid-block, once its other holders are gone. Usually one block is written: a decode's.
-        allocator, cache = self._allocator, self._prefix_cache
-        shared = []
-        for index in range(first, min(num_held, num_blocks_needed)):
-            block_id = table[index]
-            if allocator.refcount(block_id) > 1 or cache.is_cached(block_id):
-                shared.append(index)
-        num_missing = num_blocks_needed - num_held
-        if (num_missing > 0 or shared) and max(0, num_missing) + len(shared) > allocator.num_available:
+            if self.enable_prefix_caching:
+                num_full = min(len(token_ids), end) // size
+                if num_full > len(state.block_hashes):
+                    self._register_full_blocks(state, token_ids, num_full)
+            return NO_NEW_BLOCKS
+        plans = [group.plan_growth(table, num_computed_tokens, end) for group, table in zip(self._groups, state.tables)]
+        needed = sum(plan.num_blocks for plan in plans)
+        if needed and needed > self._allocator.num_available:
             return None
-        self._grow(state, token_ids, num_computed_tokens, end, shared, num_missing)
-        return table.block_ids
+        return self._grow(request_id, state, token_ids, num_computed_tokens, end, plans)
+
+    def _writes_in_place(self, tables: list[BlockTable], first: int) -> bool:
+        """Whether logical block `first` exists in every table and is held by it alone, uncached."""
+        allocator = self._allocator
+        for group, table in zip(self._groups, tables):
+            if first >= len(table):
+                return False
+            block_id = table[first]
+            if allocator.is_shared(block_id) or group.prefix_cache.is_cached(block_id):
+                return False
+        return True
 
     def _allocate_first(
         self,
@@ -144,53 +185,45 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[int],
+        new_computed_blocks: GroupBlockIds,
         cache_salt: str | None,
-    ) -> list[int] | None:
+    ) -> GroupBlockIds | None:
         """allocate_slots for a request holding no blocks yet, starting with its prefix hits."""
         size = self.block_size
         root = state.root if state is not None else root_hash(cache_salt)
-        verified_hashes = self._check_computed_blocks(request_id, state, token_ids, num_computed_tokens, new_computed_blocks, root)
+        hits = tuple(new_computed_blocks) or tuple(() for _ in self._groups)
+        verified_hashes = self._check_computed_blocks(request_id, state, token_ids, num_computed_tokens, hits, root)
 
         # Plan everything first so that failing changes nothing.
         end = num_computed_tokens + num_new_tokens
-        num_blocks_needed = -(-end // size)
-        num_missing = num_blocks_needed - len(new_computed_blocks)
-        num_revived = sum(1 for block_id in new_computed_blocks if self._allocator.is_cached_free(block_id))
-        if max(0, num_missing) > self._allocator.num_available - num_revived:
+        num_hit = len(hits[0])
+        num_missing = len(self._groups) * max(0, -(-end // size) - num_hit)
+        num_revived = sum(1 for blocks in hits for block_id in blocks if self._allocator.is_cached_free(block_id))
+        if num_missing > self._allocator.num_available - num_revived:
             return None
 
-        state = _RequestBlocks(BlockTable(size), root, verified_hashes)
+        state = _RequestBlocks([BlockTable(size) for _ in self._groups], root, verified_hashes)
         self._requests[request_id] = state
-        for block_id in new_computed_blocks:
-            self._allocator.incref(block_id)
-            state.table.append_block(block_id)
-        state.table.append_tokens(len(new_computed_blocks) * size)
-        self._grow(state, token_ids, num_computed_tokens, end, [], num_missing)
-        return state.table.block_ids
+        for table, blocks in zip(state.tables, hits):
+            for block_id in blocks:
+                self._allocator.incref(block_id)
+                table.append_block(block_id)
+            table.append_tokens(num_hit * size)
+        plans = [group.plan_growth(table, num_computed_tokens, end) for group, table in zip(self._groups, state.tables)]
+        self._grow(request_id, state, token_ids, num_computed_tokens, end, plans)
+        return tuple(tuple(table.block_ids) for table in state.tables)
 
-    def _grow(self, state: _RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int, end: int,
-              shared: list[int], num_missing: int) -> None:
-        """Carries out a plan that fits: copies for shared blocks, new blocks, fill counts, and
-        the prefix-cache registration of blocks that became full."""
-        size = self.block_size
-        allocator = self._allocator
-        table = state.table
-        for index in shared:
-            copy = allocator.allocate()
-            source = table.replace_block(index, copy)
-            allocator.release(source, keep_cached=self._prefix_cache.is_cached(source))
-            allocator.mark_filled(copy, min(size, max(0, num_computed_tokens - index * size)))
-            self._blocks_to_copy.append((source, copy))
-        for _ in range(num_missing):
-            table.append_block(allocator.allocate())
-        for index in range(num_computed_tokens // size, -(-end // size)):
-            allocator.mark_filled(table[index], min(size, end - index * size))
-        if end > table.num_tokens:
-            table.append_tokens(end - table.num_tokens)
-        num_full = min(len(token_ids), end) // size
+    def _grow(self, request_id: str, state: _RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int,
+              end: int, plans: list) -> GroupBlockIds:
+        """Carries out plans that fit (one per group), then registers the blocks that became full."""
+        appended = tuple(tuple(group.grow(table, plan, num_computed_tokens, end))
+                         for group, table, plan in zip(self._groups, state.tables, plans))
+        if any(plan.shared for plan in plans):
+            self._rewritten.add(request_id)
+        num_full = min(len(token_ids), end) // self.block_size
         if self.enable_prefix_caching and num_full > len(state.block_hashes):
             self._register_full_blocks(state, token_ids, num_full)
+        return appended if any(appended) else NO_NEW_BLOCKS
 
     def _check_computed_blocks(
         self,
@@ -198,58 +231,71 @@ class KVCacheManager:
         state: _RequestBlocks | None,
         token_ids: Sequence[int],
         num_computed_tokens: int,
-        new_computed_blocks: Sequence[int],
+        new_computed_blocks: GroupBlockIds,
         root: BlockHash,
     ) -> list[BlockHash]:
         """Reject prefix-hit blocks that cannot be right, before anything changes; return their keys."""
-        if not new_computed_blocks:
+        num_hit = len(new_computed_blocks[0])
+        if not num_hit:
             return []
         if state is not None:
             raise PagingError(
                 f"request {request_id!r} already holds blocks: pass new_computed_blocks only on its first "
                 "allocate_slots call (after free() it is a first call again)"
             )
-        if len(new_computed_blocks) * self.block_size > num_computed_tokens:
+        if len(new_computed_blocks) != len(self._groups) or any(len(b) != num_hit for b in new_computed_blocks):
+            raise PagingError(f"new_computed_blocks must hold as many blocks for each of the {len(self._groups)} "
+                              f"layer groups (as get_computed_blocks returns them), got {new_computed_blocks}")
+        if num_hit * self.block_size > num_computed_tokens:
             raise PagingError(
-                f"{len(new_computed_blocks)} computed blocks hold {len(new_computed_blocks) * self.block_size} tokens "
+                f"{num_hit} computed blocks hold {num_hit * self.block_size} tokens "
                 f"but num_computed_tokens is {num_computed_tokens}: pass the token count get_computed_blocks returned"
             )
         hashes: list[BlockHash] = []
-        self._prefix_cache.extend_hashes(hashes, token_ids, root, len(new_computed_blocks))
-        for block_id, expected in zip(new_computed_blocks, hashes):
-            if not self._prefix_cache.is_cached(block_id) or self._prefix_cache.hash_of(block_id) != expected:
-                raise PagingError(
-                    f"block {block_id} no longer holds this request's prefix (evicted since get_computed_blocks): "
-                    "call get_computed_blocks right before allocate_slots, with no allocation in between"
-                )
+        self._groups[0].prefix_cache.extend_hashes(hashes, token_ids, root, num_hit)
+        for group, blocks in zip(self._groups, new_computed_blocks):
+            for block_id, expected in zip(blocks, hashes):
+                if not group.prefix_cache.is_cached(block_id) or group.prefix_cache.hash_of(block_id) != expected:
+                    raise PagingError(
+                        f"block {block_id} no longer holds this request's prefix (evicted since get_computed_blocks): "
+                        "call get_computed_blocks right before allocate_slots, with no allocation in between"
+                    )
         return hashes
 
     def _register_full_blocks(self, state: _RequestBlocks, token_ids: Sequence[int], num_full: int) -> None:
-        """Offer blocks that became full since the last call to the prefix cache."""
+        """Offer blocks that became full since the last call to every group's prefix cache."""
         hashes = state.block_hashes
         first_new = len(hashes)
-        self._prefix_cache.extend_hashes(hashes, token_ids, state.root, num_full)
-        size = self.block_size
-        for index in range(first_new, num_full):
-            parent = hashes[index - 1] if index else state.root
-            self._prefix_cache.register(state.table[index], hashes[index], parent, token_ids[index * size : (index + 1) * size])
+        self._groups[0].prefix_cache.extend_hashes(hashes, token_ids, state.root, num_full)
+        for group, table in zip(self._groups, state.tables):
+            group.register_full_blocks(table, hashes, state.root, token_ids, first_new, num_full)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (empty for a request holding no blocks)."""
+    def _forget_evicted(self, block_id: int) -> None:
+        for group in self._groups:
+            if group.prefix_cache.is_cached(block_id):
+                group.prefix_cache.forget(block_id)
+                return
+
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """One of the request's block tables (empty for a request holding no blocks)."""
         state = self._requests.get(request_id)
-        return state.table.block_ids if state is not None else []
+        return state.tables[group].block_ids if state is not None else []
+
+    def block_tables(self, request_id: str) -> GroupBlockIds:
+        """All of the request's block tables, in group order."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return tuple(() for _ in self._groups)
+        return tuple(tuple(table.block_ids) for table in state.tables)
 
     def free(self, request_id: str) -> None:
         """Release every block the request holds; a request holding none is a no-op."""
         state = self._requests.pop(request_id, None)
         if state is None:
             return
-        # Last block first: released blocks join the LRU in this order, so a finished request's
-        # tail (the part least likely to be shared) is evicted before its prefix.
-        for block_id in reversed(state.table.block_ids):
-            self._allocator.release(block_id, keep_cached=self._prefix_cache.is_cached(block_id))
-        if self._blocks_to_copy:
-            self._blocks_to_copy = [(src, dst) for src, dst in self._blocks_to_copy if self._allocator.refcount(dst) > 0]
+        self._rewritten.discard(request_id)
+        for group, table in zip(self._groups, state.tables):
+            group.free(table)
 
     def fork(self, parent_request_id: str, child_request_id: str, num_tokens: int) -> None:
         """The child shares (by reference) the parent's blocks covering its first num_tokens
@@ -259,21 +305,28 @@ class KVCacheManager:
             raise UnknownRequestError(parent_request_id, "fork")
         if child_request_id in self._requests:
             raise PagingError(f"cannot fork into {child_request_id!r}: it already holds blocks; free it first")
-        if not 0 <= num_tokens <= parent.table.num_tokens:
-            raise PagingError(f"cannot fork {num_tokens} tokens: {parent_request_id!r} holds {parent.table.num_tokens}")
-        shared = parent.table.block_ids[: -(-num_tokens // self.block_size)]
-        for block_id in shared:
-            self._allocator.incref(block_id)
+        if not 0 <= num_tokens <= parent.tables[0].num_tokens:
+            raise PagingError(f"cannot fork {num_tokens} tokens: {parent_request_id!r} holds {parent.tables[0].num_tokens}")
         self._requests[child_request_id] = _RequestBlocks(
-            BlockTable(self.block_size, shared, num_tokens),
+            [group.fork(table, num_tokens) for group, table in zip(self._groups, parent.tables)],
             parent.root,
             parent.block_hashes[: num_tokens // self.block_size],
         )
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The queued (source, destination) copy-on-write pairs, emptying the queue."""
-        pairs, self._blocks_to_copy = self._blocks_to_copy, []
+        pairs = []
+        for group in self._groups:
+            if group.blocks_to_copy:
+                pairs += group.blocks_to_copy
+                group.blocks_to_copy = []
         return pairs
+
+    def take_rewritten_request_ids(self) -> set[str]:
+        """Requests whose tables changed other than by appending (copy-on-write replaced a
+        block) since the last call: whoever mirrors their tables must take them whole."""
+        rewritten, self._rewritten = self._rewritten, set()
+        return rewritten
 
     def stats(self) -> KVCacheStats:
         allocator = self._allocator
@@ -284,8 +337,8 @@ class KVCacheManager:
             blocks_free=allocator.num_free,
             tokens_stored=allocator.tokens_in_used_blocks,
             slots_allocated=allocator.num_used * self.block_size,
-            prefix_cache_queries=self._prefix_cache.queries,
-            prefix_cache_hits=self._prefix_cache.hits,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     # Read-only views for tests and debugging tools.
@@ -294,7 +347,7 @@ class KVCacheManager:
 
     def is_cached(self, block_id: int) -> bool:
         """Whether the block holds a prefix-cache entry (in use or evictable)."""
-        return self._prefix_cache.is_cached(block_id)
+        return any(group.prefix_cache.is_cached(block_id) for group in self._groups)
 
     def eviction_order(self) -> list[int]:
         """Cached-free blocks, the next to be evicted first."""

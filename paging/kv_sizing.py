@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, replace
 
 from kvserve.paging.block_allocator import validate_block_size
-from kvserve.paging.errors import KVCacheTooSmallError
+from kvserve.paging.kv_cache_spec import FullAttentionSpec, bytes_per_block, group_layers
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -56,16 +56,22 @@ class ModelShape:
         return replace(self, num_kv_heads=self.num_heads)
 
     def bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for every layer: 2 * L * n_kv_heads * head_dim * dtype_bytes."""
+        """K and V for every layer: 2 * L * n_kv_heads * head_dim * dtype_bytes (the layers' specs,
+        as the engine plans its cache from them)."""
         if dtype_bytes < 1:
             raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return sum(spec.bytes_per_token for spec in self.layer_specs(dtype_bytes))
 
     def kv_cache_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
         return self.bytes_per_token(dtype_bytes) * num_tokens * batch
 
     def bytes_per_block(self, dtype_bytes: int, block_size: int = 16) -> int:
         return self.bytes_per_token(dtype_bytes) * block_size
+
+    def layer_specs(self, dtype_bytes: int, dtype: str = "") -> list[FullAttentionSpec]:
+        """The KV cache spec of every layer, as the engine plans the cache from them."""
+        spec = FullAttentionSpec(self.num_kv_heads, self.head_dim, dtype or f"{dtype_bytes}-byte element", dtype_bytes)
+        return [spec] * self.num_layers
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -81,47 +87,11 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def num_blocks_for_memory(memory_bytes: int, shape: ModelShape, dtype_bytes: int, block_size: int = 16) -> int:
-    """Whole blocks that fit in `memory_bytes` (K and V of every layer)."""
-    validate_block_size(block_size)
+    """Whole blocks that fit in `memory_bytes` (K and V of every layer), as the engine plans them."""
     if memory_bytes < 0:
         raise ValueError(f"memory must be >= 0 bytes, got {memory_bytes}")
-    return memory_bytes // shape.bytes_per_block(dtype_bytes, block_size)
-
-
-def max_model_len_that_fits(num_blocks: int, block_size: int = 16) -> int:
-    """The longest single request the cache can hold: every block for one request."""
-    return num_blocks * block_size
-
-
-def check_max_model_len_fits(max_model_len: int, num_blocks: int, block_size: int = 16) -> None:
-    """Start-up check: raises KVCacheTooSmallError (naming the largest max_model_len that fits)
-    when one request of max_model_len tokens cannot get its blocks."""
-    largest = max_model_len_that_fits(num_blocks, block_size)
-    if max_model_len > largest:
-        raise KVCacheTooSmallError(max_model_len, largest, num_blocks, block_size)
-
-
-def plan_num_kv_blocks(
-    shape: ModelShape,
-    dtype_bytes: int,
-    block_size: int,
-    max_model_len: int,
-    *,
-    num_kv_blocks: int | None = None,
-    kv_cache_memory: int | None = None,
-) -> int:
-    """The engine's start-up sizing: an explicit block count wins, else the memory budget
-    (--kv-cache-memory, or the engine's default share of what the weights left). Fails with
-    KVCacheTooSmallError when one max_model_len request would not fit."""
-    if num_kv_blocks is None and kv_cache_memory is None:
-        raise ValueError("give the KV cache a size: num_kv_blocks (--num-kv-blocks) or kv_cache_memory (--kv-cache-memory)")
-    if num_kv_blocks is not None:
-        validate_block_size(block_size)
-        num_blocks = num_kv_blocks
-    else:
-        num_blocks = num_blocks_for_memory(kv_cache_memory, shape, dtype_bytes, block_size)
-    check_max_model_len_fits(max_model_len, num_blocks, block_size)
-    return num_blocks
+    validate_block_size(block_size)
+    return memory_bytes // bytes_per_block(group_layers(shape.layer_specs(dtype_bytes)), block_size)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -51,9 +51,6 @@ class PrefixCache:
         self._hasher = hasher
         self._by_hash: dict[BlockHash, CachedBlock] = {}
         self._by_block: dict[int, CachedBlock] = {}
-        # Cumulative, in tokens: tokens looked up, and tokens found.
-        self.queries = 0
-        self.hits = 0
 
     def __len__(self) -> int:
         return len(self._by_block)
@@ -74,22 +71,20 @@ class PrefixCache:
             parent = self._hasher(parent, token_ids[index * size : (index + 1) * size])
             hashes.append(parent)
 
-    def lookup(self, token_ids: Sequence[int], root: BlockHash, max_blocks: int) -> list[int]:
+    def lookup(self, token_ids: Sequence[int], hashes: list[BlockHash], root: BlockHash, max_blocks: int) -> list[int]:
         """Block ids of the longest cached, verified prefix of at most `max_blocks` full blocks.
-        Counts `len(token_ids)` queried tokens and the tokens found."""
+        `hashes` holds the chained keys computed so far for these tokens (start with []): the
+        lookup extends it as it walks, so several layer groups hash a prompt once."""
         size = self.block_size
         found: list[int] = []
-        parent = root
         for index in range(max_blocks):
-            block_tokens = tuple(token_ids[index * size : (index + 1) * size])
-            key = self._hasher(parent, block_tokens)
-            entry = self._by_hash.get(key)
-            if entry is None or entry.parent_hash != parent or entry.token_ids != block_tokens:
+            if index == len(hashes):
+                self.extend_hashes(hashes, token_ids, root, index + 1)
+            parent = hashes[index - 1] if index else root
+            entry = self._by_hash.get(hashes[index])
+            if entry is None or entry.parent_hash != parent or entry.token_ids != tuple(token_ids[index * size:(index + 1) * size]):
                 break
             found.append(entry.block_id)
-            parent = key
-        self.queries += len(token_ids)
-        self.hits += len(found) * size
         return found
 
     def register(self, block_id: int, block_hash: BlockHash, parent_hash: BlockHash, token_ids: Sequence[int]) -> bool:

@@ -61,6 +61,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # What the model runner holds of it (the step diffs' bookkeeping, kept by the scheduler):
+    # how many of all_token_ids it was sent, and whether its copy of the block tables is current
+    # (not before the first step, nor after a preemption freed the blocks).
+    num_sent_tokens: int = 0
+    runner_has_tables: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -22,9 +22,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from kvserve.paging.kv_sizing import check_max_model_len_fits
 from kvserve.scheduler.config import SchedulerConfig
-from kvserve.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kvserve.scheduler.output import (
+    ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs,
+)
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.request_queue import OrderKey, RequestQueue, order_key
 from kvserve.scheduler.sibling_groups import SiblingGroups
@@ -51,6 +52,7 @@ class _StepPlan:
 
     budget: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
 
@@ -58,7 +60,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         # One request of max_model_len tokens must fit alone: then the oldest running request
         # can always get its blocks by preempting the others, and the scheduler never stalls.
-        check_max_model_len_fits(config.max_model_len, kv_cache_manager.num_blocks, kv_cache_manager.block_size)
+        kv_cache_manager.check_max_model_len_fits(config.max_model_len)
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.num_preemptions_total = 0
@@ -68,6 +70,8 @@ class Scheduler:
         self._waiting = RequestQueue()
         self._running = RequestQueue()
         self._siblings = SiblingGroups()
+        # Requests the runner holds state for that ended since the last step (SchedulerOutput.finished_req_ids).
+        self._finished_req_ids: list[str] = []
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -116,6 +120,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (None once it has finished)."""
+        return self._requests.get(request_id)
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -134,11 +142,24 @@ class Scheduler:
         # requests that were just preempted, or be preempted in turn next step.
         if not plan.preempted:
             self._schedule_waiting(plan)
+        blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
+        if blocks_to_copy:
+            self._send_rewritten_tables(plan, self.kv_cache_manager.take_rewritten_request_ids())
+        finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(
             scheduled=plan.scheduled,
-            blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
+            new_requests=plan.new_requests,
+            finished_req_ids=finished,
+            blocks_to_copy=blocks_to_copy,
             preempted_request_ids=plan.preempted,
         )
+
+    def _send_rewritten_tables(self, plan: _StepPlan, rewritten: set[str]) -> None:
+        """Copy-on-write replaced blocks inside these requests' tables: send them whole."""
+        for index, scheduled in enumerate(plan.scheduled):
+            if scheduled.request_id in rewritten:
+                plan.scheduled[index] = scheduled._replace(
+                    new_block_ids=self.kv_cache_manager.block_tables(scheduled.request_id), tables_replaced=True)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         # Oldest first. Victims come from the back, so a victim is never a request already
@@ -159,19 +180,25 @@ class Scheduler:
                 num_new = threshold
             if num_new > plan.budget:
                 num_new = plan.budget
-            while (block_ids := allocate_slots(request.request_id, all_token_ids, start, num_new,
-                                               (), request.cache_salt)) is None:
+            while (new_block_ids := allocate_slots(request.request_id, all_token_ids, start, num_new,
+                                                   (), request.cache_salt)) is None:
                 victim = running.pop_back()
                 num_running -= 1
                 self._preempt(victim, plan)
                 if victim is request:
                     return
-            end = start + num_new
-            # Positional: field order as declared.
-            scheduled.append(ScheduledRequest(
-                request.request_id, all_token_ids[start:end], start, block_ids, end == len(all_token_ids),
-                request.sampling_params, request.seed, request.prompt_token_ids, request.output_token_ids,
-            ))
+            # Positional: field order as declared. The runner holds this request's tables
+            # (running requests had theirs sent when admitted or forked), so only what is new.
+            num_sent = request.num_sent_tokens
+            request.num_sent_tokens = len(all_token_ids)
+            if request.runner_has_tables:
+                scheduled.append(ScheduledRequest(
+                    request.request_id, start, num_new, start + num_new == len(all_token_ids),
+                    all_token_ids[num_sent:], new_block_ids, False,
+                ))
+            else:
+                self._add_to_plan(plan, request, num_new, num_sent)
+                continue
             plan.budget -= num_new
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
@@ -185,17 +212,17 @@ class Scheduler:
             else:  # every prompt position must pass through the model to be scored: no cache hits
                 cached_blocks, num_cached = [], 0
             num_new = self._chunk_size(request, num_cached, plan.budget)
-            block_ids = kv.allocate_slots(
-                request.request_id, request.all_token_ids, num_cached, num_new, cached_blocks, request.cache_salt
-            )
-            if block_ids is None:
+            if kv.allocate_slots(request.request_id, request.all_token_ids, num_cached, num_new, cached_blocks,
+                                 request.cache_salt) is None:
                 break  # FCFS: no overtaking the head, so it cannot starve
             self._waiting.pop_front()
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:  # counted at the first admission only
                 request.num_cached_tokens = num_cached
             self._start_running(request)
-            self._add_to_plan(plan, request, num_new, block_ids)
+            num_sent = request.num_sent_tokens
+            request.num_sent_tokens = len(request.all_token_ids)
+            self._add_to_plan(plan, request, num_new, num_sent)
 
     def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = len(request.all_token_ids) - num_computed
@@ -204,21 +231,27 @@ class Scheduler:
             num_new = threshold
         return num_new if num_new < budget else budget
 
-    def _add_to_plan(self, plan: _StepPlan, request: Request, num_new: int, block_ids: list[int]) -> None:
+    def _add_to_plan(self, plan: _StepPlan, request: Request, num_new: int, num_sent: int) -> None:
+        """A request whose tables the runner does not hold: admitted (for the first time, or
+        again after a preemption) or forked. The runner gets its tables whole, and, the first
+        time, what it keeps of the request; `num_sent` of its tokens it has already."""
+        if num_sent == 0:
+            plan.new_requests.append(NewRequestData(
+                request.request_id, request.num_prompt_tokens, request.sampling_params, request.seed))
         start = request.num_computed_tokens
-        end = start + num_new
         all_token_ids = request.all_token_ids
-        # Positional: this runs for every running request every step (field order as declared).
         plan.scheduled.append(ScheduledRequest(
-            request.request_id, all_token_ids[start:end], start, block_ids, end == len(all_token_ids),
-            request.sampling_params, request.seed, request.prompt_token_ids, request.output_token_ids,
+            request.request_id, start, num_new, start + num_new == len(all_token_ids), all_token_ids[num_sent:],
+            self.kv_cache_manager.block_tables(request.request_id), True,
         ))
+        request.runner_has_tables = True
         plan.budget -= num_new
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """The caller has already taken `request` out of the running set."""
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
+        request.runner_has_tables = False
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -238,17 +271,21 @@ class Scheduler:
             request = requests.get(scheduled.request_id)
             if request is None or request.status is not running_status:
                 continue  # finished (e.g. aborted) between schedule() and now
-            request.num_computed_tokens += len(scheduled.token_ids)
+            request.num_computed_tokens += scheduled.num_new_tokens
+            finished = False
             if scheduled.samples:
                 entry = sampled.get(scheduled.request_id)
-                if entry is None:
+                if entry is None or not entry[0]:
                     raise ValueError(
                         f"the model runner returned no token for {scheduled.request_id!r}, which was scheduled to "
-                        "sample; ModelRunnerOutput must hold one token per scheduled request with samples=True"
+                        "sample; ModelRunnerOutput must hold one or more tokens per scheduled request with samples=True"
                     )
-                token_id, token_logprobs = entry
-                request.append_output_token(token_id)
-                new_token_ids, logprobs = [token_id], [token_logprobs]
+                token_ids, token_logprobs = entry
+                new_token_ids, finished = self._append_tokens(request, token_ids, max_model_len)
+                if token_logprobs is None:
+                    logprobs: list[TokenLogprobs | None] = [None] * len(new_token_ids)
+                else:
+                    logprobs = list(token_logprobs[:len(new_token_ids)])
             else:
                 new_token_ids, logprobs = [], []
             # Before the leader can be freed: its siblings fork the prompt's blocks now.
@@ -258,12 +295,24 @@ class Scheduler:
                 and self._siblings.has_held(request)
             ):
                 self._fork_siblings(request)
-            finished = scheduled.samples and check_stop(request, max_model_len)
             if finished:
                 self._running.remove(request, self._order_keys[request.request_id])
                 self._retire(request)
             updates.append(RequestUpdate(request, new_token_ids, logprobs, finished))
         return updates
+
+    @staticmethod
+    def _append_tokens(request: Request, token_ids: list[int], max_model_len: int) -> tuple[list[int], bool]:
+        """Appends the step's tokens up to the first that ends the request; returns those
+        appended and whether it ended. (One token per step without speculative decoding.)"""
+        if len(token_ids) == 1:
+            request.append_output_token(token_ids[0])
+            return token_ids, check_stop(request, max_model_len)
+        for count, token_id in enumerate(token_ids, start=1):
+            request.append_output_token(token_id)
+            if check_stop(request, max_model_len):
+                return token_ids[:count], True
+        return token_ids, False
 
     def _fork_siblings(self, leader: Request) -> None:
         """Siblings share the blocks of the leader's first P - 1 positions (P = prompt length)
@@ -299,6 +348,8 @@ class Scheduler:
         """The caller has taken `request` out of its queue and set its finish reason."""
         if request.status is RequestStatus.RUNNING:
             self.kv_cache_manager.free(request.request_id)
+        if request.num_sent_tokens:
+            self._finished_req_ids.append(request.request_id)
         request.status = RequestStatus.FINISHED
         del self._requests[request.request_id]
         del self._order_keys[request.request_id]

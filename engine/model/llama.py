@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kvserve.engine.attention_metadata import AttentionMetadata
 from kvserve.engine.model.gated_mlp import GatedMLP
 from kvserve.engine.model.gguf_metadata import GGUFFields
 from kvserve.engine.model.hf_config import eos_token_ids, rope_from_hf, shape_from_hf_dict
@@ -26,10 +25,12 @@ from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import ModelConfigError
 from kvserve.engine.model.model_family import CheckpointLayout, GGUFTensor, ModelFamily, Split, WeightTarget
 from kvserve.engine.model.parallel_layers import column_parallel_linear, lm_head, row_parallel_linear, vocab_embedding
-from kvserve.engine.model.protocol import KVCache, Rope
+from kvserve.engine.model.protocol import Rope
 from kvserve.engine.model.rms_norm import RMSNorm
 from kvserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
+from kvserve.kernels import AttentionMetadata, KVCache
+from kvserve.paging import FullAttentionSpec
 
 if TYPE_CHECKING:
     from kvserve.kernels import AttentionBackend
@@ -52,12 +53,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, *rope)
-        key_cache, value_cache = kv_cache
-        attention.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = attention.paged_attention(
-            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes,
-        )
+        attention.write_kv_cache(k, v, kv_cache, meta)
+        out = attention.paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -91,18 +88,26 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] tokens of many requests, flattened. Returns hidden [T, hidden]."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"need one (key, value) cache per layer: {len(self.layers)}, got {len(kv_caches)}")
-        if input_ids.shape != positions.shape or input_ids.shape[0] != attn_metadata.num_tokens:
+                attn_metadata: list[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] tokens of many requests, flattened; one KV cache and one
+        attention metadata per layer (layers of one group share theirs). Returns hidden [T, hidden]."""
+        if len(kv_caches) != len(self.layers) or len(attn_metadata) != len(self.layers):
+            raise ValueError(f"need one (key, value) cache and one attention metadata per layer: {len(self.layers)}, "
+                             f"got {len(kv_caches)} and {len(attn_metadata)}")
+        if input_ids.shape != positions.shape or input_ids.shape[0] != attn_metadata[0].num_tokens:
             raise ValueError(f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
-                             f"slot_mapping ({attn_metadata.num_tokens}) must all have one entry per token")
+                             f"slot_mapping ({attn_metadata[0].num_tokens}) must all have one entry per token")
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, attn_metadata, attention)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata):
+            x = layer(x, rope, kv_cache, meta, attention)
         return self.norm(x)
+
+    def kv_cache_specs(self, dtype: str, dtype_bytes: int) -> list[FullAttentionSpec]:
+        """What each layer keeps in the KV cache (the runner groups and sizes the cache from it)."""
+        # From the layers themselves: a tensor-parallel rank's layers hold its share of the heads.
+        return [FullAttentionSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, dtype, dtype_bytes)
+                for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (the rows to sample from) -> logits [N, vocab] in the model's dtype.

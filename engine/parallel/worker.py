@@ -15,10 +15,10 @@ from multiprocessing.connection import Connection
 import torch
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.engine_builder import attention_backend, kv_cache_dtype
+from kvserve.engine.engine_builder import attention_backend, kv_cache_config_for, kv_cache_dtype
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model.model_source import ModelSource
-from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel.layers import shard_model
 from kvserve.engine.parallel.process_group import join_group, leave_group, rank_device
 from kvserve.engine.parallel.sharding import rank_model_config
@@ -74,9 +74,9 @@ def worker_main(spec: WorkerSpec, steps: Connection, status: Connection) -> None
 def _build_runner(spec: WorkerSpec, device: torch.device, group: torch.distributed.ProcessGroup) -> ModelRunner:
     model_config, model = load_model(spec.source, spec.dtype, device)
     shard_model(model, model_config, spec.rank, spec.world_size, group)
-    kv_spec = KVCacheSpec(num_blocks=spec.num_kv_blocks, block_size=spec.config.block_size,
-                          dtype=kv_cache_dtype(spec.config, spec.dtype))
+    kv_dtype = kv_cache_dtype(spec.config, spec.dtype)
+    kv_cache_config = kv_cache_config_for(model, spec.num_kv_blocks, spec.config.block_size, kv_dtype)
     # Sampling happens on every rank from identical logits (lm_head is whole everywhere); only
     # rank 0's result is used, so the end-of-generation ids do not matter here.
-    return ModelRunner(model, rank_model_config(model_config, spec.world_size), kv_spec,
+    return ModelRunner(model, rank_model_config(model_config, spec.world_size), kv_cache_config, kv_dtype,
                        attention_backend(spec.config, device), device, ())

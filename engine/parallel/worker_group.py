@@ -21,7 +21,7 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_source import ModelSource
-from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.parallel.layers import shard_model
 from kvserve.engine.parallel.process_group import (
     check_devices, free_loopback_port, join_group, leave_group, rank_device,
@@ -30,6 +30,7 @@ from kvserve.engine.parallel.sharding import rank_model_config
 from kvserve.engine.parallel.worker import WorkerSpec, worker_main
 from kvserve.engine.structured_output import TokenMask
 from kvserve.kernels import AttentionBackend
+from kvserve.paging import KVCacheConfig
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 WORKER_START_TIMEOUT_S = 600.0  # spawn + import torch + load and shard the weights
@@ -124,8 +125,8 @@ class TensorParallelRunner(ModelRunner):
 
     @classmethod
     def start(cls, config: EngineConfig, source: ModelSource, model: LlamaForCausalLM, model_config: ModelConfig,
-              kv_spec: KVCacheSpec, attention: AttentionBackend, device: torch.device, dtype: torch.dtype,
-              eos_token_ids: tuple[int, ...]) -> "TensorParallelRunner":
+              num_kv_blocks: int, kv_dtype: torch.dtype, attention: AttentionBackend, device: torch.device,
+              dtype: torch.dtype, eos_token_ids: tuple[int, ...]) -> "TensorParallelRunner":
         """`model` is rank 0's fully loaded model; it is sharded in place."""
         world_size = config.tensor_parallel_size
         rank_model_config(model_config, world_size)  # clear errors before any process starts
@@ -134,15 +135,18 @@ class TensorParallelRunner(ModelRunner):
         # On CPU the ranks share the cores the engine was given: each takes its share of threads.
         threads = max(1, torch.get_num_threads() // world_size) if device.type == "cpu" else torch.get_num_threads()
         torch.set_num_threads(threads)
-        specs = [WorkerSpec(config, source, str(device), dtype, kv_spec.num_blocks, threads, rank, world_size, port)
+        specs = [WorkerSpec(config, source, str(device), dtype, num_kv_blocks, threads, rank, world_size, port)
                  for rank in range(1, world_size)]
         workers = WorkerGroup.spawn(specs)
         try:
             workers.wait_for("started")
             group = join_group(rank_device(device, 0), 0, world_size, port)
             shard_model(model, model_config, 0, world_size, group)
-            runner = cls(model, rank_model_config(model_config, world_size), kv_spec, attention, device,
-                         eos_token_ids, workers)
+            from kvserve.engine.engine_builder import kv_cache_config_for  # the builder imports this module
+
+            kv_cache_config = kv_cache_config_for(model, num_kv_blocks, config.block_size, kv_dtype)
+            runner = cls(model, rank_model_config(model_config, world_size), kv_cache_config, kv_dtype, attention,
+                         device, eos_token_ids, workers)
             workers.wait_for("ready")
         except BaseException:
             workers.stop()
@@ -150,10 +154,10 @@ class TensorParallelRunner(ModelRunner):
             raise
         return runner
 
-    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, kv_spec: KVCacheSpec,
-                 attention: AttentionBackend, device: torch.device, eos_token_ids: tuple[int, ...],
-                 workers: WorkerGroup) -> None:
-        super().__init__(model, model_config, kv_spec, attention, device, eos_token_ids)
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, kv_cache_config: KVCacheConfig,
+                 kv_dtype: torch.dtype, attention: AttentionBackend, device: torch.device,
+                 eos_token_ids: tuple[int, ...], workers: WorkerGroup) -> None:
+        super().__init__(model, model_config, kv_cache_config, kv_dtype, attention, device, eos_token_ids)
         self.workers = workers
 
     def execute(self, output: SchedulerOutput, token_mask: TokenMask | None = None) -> ModelRunnerOutput:

@@ -9,13 +9,15 @@ of the penalties, bias or min_tokens, and greedy rows need nothing but an argmax
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
 
-from kvserve.scheduler.output import ScheduledRequest
 from kvserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.input_batch import CachedRequestState
 
 _MASK_32 = 0xFFFFFFFF
 # Below this temperature a row is sampled greedily: dividing by it would overflow float32 logits.
@@ -52,7 +54,7 @@ class PenaltyRows:
     the Sampler across steps (TokenCounts), so the batch carries only references to the tokens."""
 
     rows: Tensor  # [P] int64: their indices in the batch
-    requests: list[ScheduledRequest]
+    requests: list[CachedRequestState]
     presence: Tensor  # [P, 1] float32
     frequency: Tensor  # [P, 1] float32
     repetition: Tensor  # [P, 1] float32
@@ -81,10 +83,10 @@ class SamplingBatch:
                 and self.penalties is None and self.logprob_rows is None)
 
     @classmethod
-    def from_requests(cls, requests: Sequence[ScheduledRequest], vocab_size: int, eos_token_ids: tuple[int, ...],
+    def from_requests(cls, requests: Sequence[CachedRequestState], vocab_size: int, eos_token_ids: tuple[int, ...],
                       device: torch.device) -> "SamplingBatch":
-        """Requests whose `samples` is false (mid-prompt chunks) are skipped: rows correspond to
-        the requests that sample, in order. One pass over the rows sorts them by what they ask
+        """Requests whose `samples` is false this step (mid-prompt chunks) are skipped: rows
+        correspond to the requests that sample, in order. One pass over the rows sorts them by what they ask
         for; the per-row work does not depend on the vocabulary or on the tokens so far."""
         rows = [r for r in requests if r.samples]
         random_rows: list[int] = []
@@ -112,7 +114,7 @@ class SamplingBatch:
         )
 
 
-def _random_rows(rows: list[ScheduledRequest], indices: list[int], vocab_size: int, device: torch.device) -> RandomRows:
+def _random_rows(rows: list[CachedRequestState], indices: list[int], vocab_size: int, device: torch.device) -> RandomRows:
     params = [r.sampling_params for r in rows]
 
     def tensor(values: list, dtype: torch.dtype) -> Tensor:
@@ -134,7 +136,7 @@ def _random_rows(rows: list[ScheduledRequest], indices: list[int], vocab_size: i
     )
 
 
-def _penalty_rows(rows: list[ScheduledRequest], indices: list[int], device: torch.device) -> PenaltyRows:
+def _penalty_rows(rows: list[CachedRequestState], indices: list[int], device: torch.device) -> PenaltyRows:
     def column(values: list[float]) -> Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
@@ -154,7 +156,7 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> SparseLog
                              torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _min_tokens_bans(rows: list[ScheduledRequest], eos_token_ids: tuple[int, ...],
+def _min_tokens_bans(rows: list[CachedRequestState], eos_token_ids: tuple[int, ...],
                      device: torch.device) -> SparseLogitUpdate | None:
     """While a row has fewer than min_tokens outputs, its stop tokens cannot be drawn. EOS is
     (every EOS id) banned too unless ignore_eos (then EOS does not stop the request, so it need not be held back)."""

@@ -6,10 +6,10 @@ output; the repetition penalty also needs which tokens occur in its prompt. Rebu
 tokens so far (quadratic over a request's life). Here each request keeps its own count vector,
 and a step adds only the tokens appended since the previous one (normally one).
 
-An entry is tied to the request's output list object (ScheduledRequest.output_token_ids is a
-reference to it), so a new request that reuses an id starts afresh. Entries of requests that are
-not in this step's penalty rows are dropped: a request preempted or otherwise paused for a step
-simply rebuilds its counts, once, when it samples again.
+An entry lives as long as the runner holds the request (the runner drops it with `remove` when
+the scheduler reports the request finished), so a request paused by a preemption keeps its
+counts. It is also tied to the identity of the runner's output list for the request, so an id
+reused by a new request can never inherit old counts.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Penalties:
 
 @dataclass
 class _Entry:
-    output_token_ids: list[int]  # the request's live list (identity marks the request)
+    output_token_ids: list[int]  # the runner's list for the request (identity marks the request)
     num_counted: int
     counts: Tensor  # [V] float32
     prompt_seen: Tensor | None  # [V] bool, only when the repetition penalty is on
@@ -57,7 +57,7 @@ class TokenCounts:
                 _add(entry.counts, tokens[entry.num_counted:])
                 entry.num_counted = len(tokens)
             entries[request.request_id] = entry
-        self._entries = entries
+        self._entries.update(entries)
         ordered = [entries[r.request_id] for r in rows.requests]
         counts = torch.stack([e.counts for e in ordered])
         seen = counts > 0
@@ -65,6 +65,14 @@ class TokenCounts:
             if entry.prompt_seen is not None:
                 seen[i] |= entry.prompt_seen
         return Penalties(counts, seen, rows.presence, rows.frequency, rows.repetition)
+
+    def remove(self, request_ids: list[str]) -> None:
+        """Forget finished requests."""
+        for request_id in request_ids:
+            self._entries.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     @staticmethod
     def _new_entry(prompt: list[int], output: list[int], with_prompt: bool, vocab_size: int,

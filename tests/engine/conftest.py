@@ -58,9 +58,9 @@ class PagedDriver:
             while len(seq.block_ids) * BLOCK_SIZE < end:
                 seq.block_ids.append(self.free_blocks.pop())
             ids += seq.token_ids[seq.num_computed:end]
-        flat = build_flat_batch(num_new, [s.num_computed for s in seqs], [s.block_ids for s in seqs], BLOCK_SIZE)
+        flat = build_flat_batch(num_new, [s.num_computed for s in seqs], [[s.block_ids for s in seqs]], BLOCK_SIZE)
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), flat.positions, self.kv_caches, flat.attn_metadata, self.attention)
+            hidden = self.model(torch.tensor(ids), flat.positions, self.kv_caches, flat.layer_metadata([0] * len(self.kv_caches)), self.attention)
             logits = self.model.compute_logits(hidden)
         for seq, n in zip(seqs, num_new):
             seq.num_computed += n

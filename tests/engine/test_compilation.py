@@ -12,8 +12,7 @@ import torch
 from kvserve.engine.compilation import symbolic_sizes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
-from kvserve.scheduler.output import SchedulerOutput
-from tests.engine.test_model_runner import CONFIG, Seq, tiny_runner
+from tests.engine.test_model_runner import CONFIG, Seq, prepare, step, tiny_runner
 
 
 def _runner(rms_norm_eps: float, compiled: bool) -> ModelRunner:
@@ -22,8 +21,9 @@ def _runner(rms_norm_eps: float, compiled: bool) -> ModelRunner:
 
 def _hidden(runner: ModelRunner, tokens: tuple[int, ...] = (5, 9, 14)) -> torch.Tensor:
     with torch.inference_mode():  # as the runner's execute: inputs built and run in inference mode
-        blocks = list(range(-(-len(tokens) // runner.kv_spec.block_size)))
-        inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", list(tokens), blocks).schedule(len(tokens))]))
+        blocks = list(range(-(-len(tokens) // runner.block_size)))
+        runner.input_batch.requests.clear()  # each call is a fresh request "a"
+        inputs = prepare(runner, step(Seq("a", list(tokens), blocks).schedule(len(tokens))))
         return runner._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
 
@@ -46,14 +46,14 @@ def test_an_input_of_another_dtype_gets_its_own_graph() -> None:
     # float32 graph (it would read its bytes as float32).
     runner = _runner(1e-6, compiled=True)
     runner.warm_up()
-    inputs = runner.prepare_inputs(SchedulerOutput([Seq("a", [5, 9, 14], [0, 1]).schedule(3)]))
+    inputs = prepare(runner, step(Seq("a", [5, 9, 14], [0, 1]).schedule(3)))
     layer = runner.model.layers[0]
     x = torch.randn(3, CONFIG.hidden_size).to(torch.bfloat16)
     rope = runner.model.rotary_emb(inputs.positions, torch.float32)
     torch._dynamo.utils.counters.clear()
     with torch.inference_mode(), symbolic_sizes():
-        compiled = layer(x, rope, runner.kv_caches[0], inputs.attn_metadata, runner.attention)
-        eager = layer.forward(x, rope, runner.kv_caches[0], inputs.attn_metadata, runner.attention)
+        compiled = layer(x, rope, runner.kv_caches[0], inputs.attn_metadata[0], runner.attention)
+        eager = layer.forward(x, rope, runner.kv_caches[0], inputs.attn_metadata[0], runner.attention)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     # Inductor rounds to bfloat16 once where eager rounds after every op: bfloat16-sized differences.
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)

@@ -11,6 +11,7 @@ import pytest
 
 from kvserve.engine.admission import AdmissionError
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.input_batch import InputBatch
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.outputs import OutputAccumulator, RequestOutput
@@ -43,21 +44,22 @@ class ScriptedRunner:
     def __init__(self, texts: dict[str, str]) -> None:
         self.texts = texts
         self.steps = 0
+        self.batch = InputBatch(num_groups=1)  # what a runner knows of each request: the step diffs
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
         ids, tokens, logprobs = [], [], []
-        for scheduled in output.scheduled:
-            if not scheduled.samples:
+        for state in self.batch.apply(output):
+            if not state.samples:
                 continue
-            parent = scheduled.request_id.rsplit("#", 1)[0]
-            script = ByteTokenizer().encode(self.texts.get(scheduled.request_id, self.texts.get(parent, "")))
-            position = len(scheduled.output_token_ids)
+            parent = state.request_id.rsplit("#", 1)[0]
+            script = ByteTokenizer().encode(self.texts.get(state.request_id, self.texts.get(parent, "")))
+            position = len(state.output_token_ids)
             token = script[position] if position < len(script) else EOS
-            ids.append(scheduled.request_id)
-            tokens.append(token)
-            wants = scheduled.sampling_params.logprobs
-            logprobs.append(None if wants is None else TokenLogprobs(token, -0.5, 1, [(token, -0.5)][:wants]))
+            ids.append(state.request_id)
+            tokens.append([token])
+            wants = state.sampling_params.logprobs
+            logprobs.append(None if wants is None else [TokenLogprobs(token, -0.5, 1, [(token, -0.5)][:wants])])
         return ModelRunnerOutput(ids, tokens, logprobs)
 
 

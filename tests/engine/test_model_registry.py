@@ -11,14 +11,15 @@ from torch import nn
 from kvserve.engine.model.gated_mlp import GatedMLP
 from kvserve.engine.model.llama import LLAMA, Attention
 from kvserve.engine.model.model_errors import UnsupportedArchitectureError
-from kvserve.engine.model.protocol import CausalLM, DecoderLayer, KVCache, Rope
+from kvserve.engine.model.protocol import CausalLM, DecoderLayer, Rope
 from kvserve.engine.model.registry import (
     FAMILIES, SUPPORTED_ARCHITECTURES, family_of, hf_architecture_name, model_config_from_hf_dict,
 )
 from kvserve.engine.model.rms_norm import RMSNorm
 from kvserve.engine.model.rope import RotaryEmbedding
-from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
-from kvserve.kernels import TorchAttentionBackend
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.kernels import KVCache, TorchAttentionBackend
+from kvserve.paging import FullAttentionSpec, KVCacheConfig, group_layers
 from tests.engine.test_model_config import LLAMA3_HF
 from tests.engine.test_model_runner import CONFIG, PLAN, fresh_seqs, run_steps
 
@@ -76,12 +77,16 @@ class ParallelBlockLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, attn_metadata, attention) -> torch.Tensor:
         x = self.wte(input_ids)
         rope = self.rope(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, attn_metadata, attention)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata):
+            x = layer(x, rope, kv_cache, meta, attention)
         return self.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
+
+    def kv_cache_specs(self, dtype: str, dtype_bytes: int) -> list[FullAttentionSpec]:
+        return [FullAttentionSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, dtype, dtype_bytes)
+                for layer in self.layers]
 
 
 def _runner(compiled: bool) -> ModelRunner:
@@ -90,8 +95,9 @@ def _runner(compiled: bool) -> ModelRunner:
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     assert isinstance(model, CausalLM) and isinstance(model.layers[0], DecoderLayer)
-    return ModelRunner(model.eval(), CONFIG, KVCacheSpec(num_blocks=32, block_size=4, dtype=torch.float32),
-                       TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
+    kv_cache_config = KVCacheConfig(32, 4, group_layers(model.kv_cache_specs("float32", 4)))
+    return ModelRunner(model.eval(), CONFIG, kv_cache_config, torch.float32, TorchAttentionBackend(),
+                       torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
 
 def test_llama_is_one_family_among_the_registered() -> None:

@@ -11,10 +11,11 @@ import torch
 
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
-from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.engine_builder import kv_cache_config_for
+from kvserve.engine.model_runner import ModelRunner, StepInputs
 from kvserve.engine.quantization.quantize_model import quantize_model
 from kvserve.kernels import TorchAttentionBackend
-from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -34,26 +35,38 @@ def tiny_runner(compiled: bool, config: ModelConfig = CONFIG, quantization: str 
         torch.nn.init.normal_(parameter, std=0.3)
     if quantization is not None:
         quantize_model(model, quantization)
-    return ModelRunner(model.eval(), config, KVCacheSpec(num_blocks=32, block_size=BLOCK, dtype=torch.float32),
+    return ModelRunner(model.eval(), config, kv_cache_config_for(model, 32, BLOCK, torch.float32), torch.float32,
                        TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
 
 @dataclass
 class Seq:
+    """A request as these tests drive it by hand: the scheduler's side of the step diffs."""
+
     request_id: str
     tokens: list[int]
     blocks: list[int]
     computed: int = 0
     outputs: list[int] = field(default_factory=list)
-
     params: SamplingParams = GREEDY
+    num_sent: int = 0  # tokens the runner has been sent
 
-    def schedule(self, n: int) -> ScheduledRequest:
+    def schedule(self, n: int) -> tuple[NewRequestData | None, ScheduledRequest]:
         samples = self.computed + n == len(self.tokens)
-        return ScheduledRequest(request_id=self.request_id, token_ids=self.tokens[self.computed:self.computed + n],
-                                num_computed_tokens=self.computed, block_ids=self.blocks, samples=samples,
-                                sampling_params=self.params, seed=0, prompt_token_ids=self.tokens,
-                                output_token_ids=self.outputs)
+        first = self.num_sent == 0
+        new = NewRequestData(self.request_id, len(self.tokens) - len(self.outputs), self.params, 0) if first else None
+        entry = ScheduledRequest(self.request_id, self.computed, n, samples, self.tokens[self.num_sent:],
+                                 (tuple(self.blocks),) if first else (), first)
+        self.num_sent = len(self.tokens)
+        return new, entry
+
+
+def step(*scheduled: tuple[NewRequestData | None, ScheduledRequest]) -> SchedulerOutput:
+    return SchedulerOutput([entry for _, entry in scheduled], [new for new, _ in scheduled if new is not None])
+
+
+def prepare(runner: ModelRunner, output: SchedulerOutput) -> StepInputs:
+    return runner.prepare_inputs(runner.input_batch.apply(output))
 
 
 def test_decodes_go_first_and_sampled_rows_map_back_to_their_requests():
@@ -62,9 +75,10 @@ def test_decodes_go_first_and_sampled_rows_map_back_to_their_requests():
     decode = Seq("b", [3, 4, 5, 6], [7], computed=3)
     last_chunk = Seq("c", [8, 9, 10, 11, 12], [2, 9], computed=2)
     decode2 = Seq("d", [20, 21], [4], computed=1)
-    output = SchedulerOutput([chunk.schedule(5), decode.schedule(1), last_chunk.schedule(3), decode2.schedule(1)])
-    inputs = runner.prepare_inputs(output)
-    meta = inputs.attn_metadata
+    output = step(chunk.schedule(5), decode.schedule(1), last_chunk.schedule(3), decode2.schedule(1))
+    inputs = prepare(runner, output)
+    meta = inputs.attn_metadata[0]
+    assert all(layer_meta is meta for layer_meta in inputs.attn_metadata)  # one group: one metadata
     assert inputs.input_ids.tolist() == [6, 21, 10, 11, 12, 13, 14, 10, 11, 12]
     assert meta.num_decodes == 2 and meta.query_start_loc.tolist() == [0, 1, 2, 7, 10]
     assert meta.slot_mapping.tolist() == [7 * BLOCK + 3, 4 * BLOCK + 1, 20, 21, 22, 23, 4, 8 + 2, 8 + 3, 9 * BLOCK]
@@ -74,26 +88,24 @@ def test_decodes_go_first_and_sampled_rows_map_back_to_their_requests():
 
 def test_prompt_logprobs_follow_their_rows_when_decodes_move_first():
     scoring = SamplingParams(temperature=0.0, prompt_logprobs=2)
-    alone = tiny_runner(compiled=False).execute(SchedulerOutput([Seq("p", [9, 8, 7, 6, 5], [3, 4], params=scoring).schedule(4)]))
+    alone = tiny_runner(compiled=False).execute(step(Seq("p", [9, 8, 7, 6, 5], [3, 4], params=scoring).schedule(4)))
     runner = tiny_runner(compiled=False)
     decode = Seq("d", [11, 12, 13], [0])
-    runner.execute(SchedulerOutput([decode.schedule(3)]))
+    runner.execute(step(decode.schedule(3)))
     decode.computed = 3
     decode.tokens.append(14)
     # The chunk comes first in the scheduler's order; the runner moves the decode ahead of it.
-    mixed = runner.execute(SchedulerOutput([Seq("p", [9, 8, 7, 6, 5], [3, 4], params=scoring).schedule(4),
-                                            decode.schedule(1)]))
+    mixed = runner.execute(step(Seq("p", [9, 8, 7, 6, 5], [3, 4], params=scoring).schedule(4), decode.schedule(1)))
     assert mixed.prompt_logprobs.keys() == {"p"}
     assert mixed.prompt_logprobs["p"] == alone.prompt_logprobs["p"]
 
 
 def run_steps(runner: ModelRunner, plan: list[list[tuple[int, int]]], seqs: list[Seq]) -> list[list[int]]:
     """plan: per step, (sequence index, tokens to compute) in the scheduler's order."""
-    for step in plan:
-        output = SchedulerOutput([seqs[i].schedule(n) for i, n in step])
-        result = runner.execute(output)
-        sampled = dict(zip(result.request_ids, result.sampled_token_ids))
-        for i, n in step:
+    for plan_step in plan:
+        result = runner.execute(step(*(seqs[i].schedule(n) for i, n in plan_step)))
+        sampled = {request_id: tokens[0] for request_id, tokens in zip(result.request_ids, result.sampled_token_ids)}
+        for i, n in plan_step:
             seqs[i].computed += n
             if seqs[i].request_id in sampled:
                 seqs[i].tokens.append(sampled[seqs[i].request_id])

@@ -10,7 +10,8 @@ from torch import nn
 
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.packed_linear import PackedLinear, pack_linear_weights, weight_packing_supported
-from kvserve.engine.model_runner import KVCacheSpec, ModelRunner
+from kvserve.engine.engine_builder import kv_cache_config_for
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.kernels import TorchAttentionBackend
 from tests.engine.test_model_runner import CONFIG, PLAN, fresh_seqs, run_steps
 
@@ -69,7 +70,7 @@ def _runner(packed: bool, compiled: bool) -> ModelRunner:
     model = _model(torch.bfloat16)
     if packed:
         pack_linear_weights(model)
-    return ModelRunner(model, CONFIG, KVCacheSpec(num_blocks=32, block_size=4, dtype=torch.bfloat16),
+    return ModelRunner(model, CONFIG, kv_cache_config_for(model, 32, 4, torch.bfloat16), torch.bfloat16,
                        TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
 

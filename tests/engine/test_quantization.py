@@ -96,9 +96,9 @@ def _tiny_model(intermediate: int = 96) -> tuple[ModelConfig, LlamaForCausalLM]:
 def _logits(model: LlamaForCausalLM, config: ModelConfig, ids: list[int]) -> torch.Tensor:
     shape = (4, config.num_kv_heads, 16, config.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
-    flat = build_flat_batch([len(ids)], [0], [[0, 1, 2, 3]], 16)
+    flat = build_flat_batch([len(ids)], [0], [[[0, 1, 2, 3]]], 16)
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), flat.positions, caches, flat.attn_metadata, TorchAttentionBackend())
+        hidden = model(torch.tensor(ids), flat.positions, caches, flat.layer_metadata([0] * len(caches)), TorchAttentionBackend())
         return model.compute_logits(hidden)
 
 

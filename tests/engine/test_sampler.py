@@ -13,7 +13,7 @@ from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, dr
 from kvserve.engine.sampling.sampling_batch import SamplingBatch
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
-from kvserve.scheduler.output import ScheduledRequest
+from kvserve.engine.input_batch import CachedRequestState
 from kvserve.scheduler.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -22,14 +22,16 @@ EOS = 0
 
 
 def request(params: SamplingParams, *, seed: int = 0, prompt: list[int] | None = None,
-            output: list[int] | None = None, samples: bool = True, request_id: str = "r") -> ScheduledRequest:
+            output: list[int] | None = None, samples: bool = True, request_id: str = "r") -> CachedRequestState:
+    """The runner's state of a request about to sample its next token."""
     prompt = [1, 2] if prompt is None else prompt
-    return ScheduledRequest(request_id=request_id, token_ids=[prompt[-1]], num_computed_tokens=len(prompt) - 1,
-                            block_ids=[0], samples=samples, sampling_params=params, seed=seed,
-                            prompt_token_ids=prompt, output_token_ids=list(output or []))
+    state = CachedRequestState(request_id, len(prompt), params, seed, block_ids=[[0]])
+    state.append_tokens(prompt + list(output or []))
+    state.num_computed_tokens, state.num_new_tokens, state.samples = len(state.all_token_ids) - 1, 1, samples
+    return state
 
 
-def batch_of(requests: list[ScheduledRequest], vocab: int) -> SamplingBatch:
+def batch_of(requests: list[CachedRequestState], vocab: int) -> SamplingBatch:
     return SamplingBatch.from_requests(requests, vocab, (EOS,), CPU)
 
 

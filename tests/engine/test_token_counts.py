@@ -1,5 +1,6 @@
 """The penalties' token counts kept across steps equal counts rebuilt from scratch, whatever
-happens between steps: tokens appended, a request paused for a step, an id reused."""
+happens between steps: tokens appended, a request paused for a step, an id reused; a finished
+request's counts are dropped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from kvserve.engine.sampling.sampler import Sampler
 from kvserve.engine.sampling.sampling_batch import SamplingBatch
-from kvserve.scheduler.output import ScheduledRequest
+from kvserve.engine.input_batch import CachedRequestState
 from kvserve.scheduler.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -16,12 +17,15 @@ PENALISED = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalt
 
 
 def request(request_id: str, output: list[int], params: SamplingParams = PENALISED,
-            prompt: list[int] | None = None) -> ScheduledRequest:
+            prompt: list[int] | None = None) -> CachedRequestState:
     prompt = [1, 6] if prompt is None else prompt
-    return ScheduledRequest(request_id, [prompt[-1]], len(prompt) - 1, [0], True, params, 0, prompt, output)
+    state = CachedRequestState(request_id, len(prompt), params, 0, block_ids=[[0]])
+    state.append_tokens(prompt + output)
+    state.samples = True
+    return state
 
 
-def processed(sampler: Sampler, rows: list[ScheduledRequest], logits: torch.Tensor) -> torch.Tensor:
+def processed(sampler: Sampler, rows: list[CachedRequestState], logits: torch.Tensor) -> torch.Tensor:
     return sampler.processed_logits(logits, SamplingBatch.from_requests(rows, VOCAB, (0,), CPU))
 
 
@@ -35,17 +39,17 @@ def test_counts_follow_tokens_appended_between_steps() -> None:
     for token in (2, 5, 5, 7):
         rows = [a, b, c]
         assert torch.equal(processed(kept, rows, LOGITS), processed(Sampler(), rows, LOGITS))
-        a.output_token_ids.append(token)
-        c.output_token_ids.append(token + 1 if token < 7 else 0)
+        a.append_tokens([token])
+        c.append_tokens([token + 1 if token < 7 else 0])
 
 
 def test_a_request_missing_for_a_step_or_a_reused_id_is_counted_afresh() -> None:
     kept = Sampler()
     a = request("a", [2, 2])
     processed(kept, [a], LOGITS[:1])
-    a.output_token_ids.append(4)
+    a.append_tokens([4])
     processed(kept, [request("other", [1])], LOGITS[:1])  # "a" paused (e.g. preempted) this step
-    a.output_token_ids.append(4)
+    a.append_tokens([4])
     assert torch.equal(processed(kept, [a], LOGITS[:1]), processed(Sampler(), [a], LOGITS[:1]))
     reused = request("a", [7, 7, 7, 7, 7], prompt=[3])  # a new request under the same id, more tokens
     assert torch.equal(processed(kept, [reused], LOGITS[:1]), processed(Sampler(), [reused], LOGITS[:1]))
@@ -56,3 +60,11 @@ def test_only_penalised_rows_change() -> None:
     out = processed(Sampler(), rows, LOGITS)
     assert torch.equal(out[1], LOGITS[1])
     assert out[0, 7] < LOGITS[0, 7] and out[2, 1] != LOGITS[2, 1]
+
+
+def test_finished_requests_are_forgotten() -> None:
+    kept = Sampler()
+    processed(kept, [request("a", [2]), request("b", [3])], LOGITS[:2])
+    assert len(kept.token_counts) == 2
+    kept.token_counts.remove(["a", "never-seen"])
+    assert len(kept.token_counts) == 1

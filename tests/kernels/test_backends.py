@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kernels import TorchAttentionBackend, TritonAttentionBackend, select_attention_backend
+from kvserve.kernels import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend, select_attention_backend
 from tests.kernels.paged_batch import MIXED_QUERY_LENS, MIXED_SEQ_LENS, TOLERANCES, dense_attention, make_batch
+
+
+def metadata(reference, slot_mapping: torch.Tensor, block_tables: torch.Tensor | None = None) -> AttentionMetadata:
+    """The step's metadata for a reference batch, as the engine builds it."""
+    q_lens = reference.query_start_loc[1:] - reference.query_start_loc[:-1]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.long(),
+        block_tables=(reference.block_tables if block_tables is None else block_tables).int(),
+        seq_lens=reference.seq_lens.int(), query_start_loc=reference.query_start_loc.int(),
+        max_query_len=int(q_lens.max()), max_seq_len=int(reference.seq_lens.max()), num_decodes=0,
+    )
 
 
 def test_auto_picks_torch_on_cpu() -> None:
@@ -36,19 +47,15 @@ def test_unknown_backend_name_is_refused() -> None:
 @pytest.mark.parametrize("backend", [TorchAttentionBackend(), TorchAttentionBackend(validate=False), TritonAttentionBackend(debug=True)],
                          ids=["torch", "torch-serving", "triton"])
 def test_backends_write_then_attend_like_dense(backend) -> None:
-    reference = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, group=3)
-    key_cache, value_cache = torch.zeros_like(reference.key_cache), torch.zeros_like(reference.value_cache)
-    # Write every request's K/V through the backend, into the same slots the reference used.
-    block_size = key_cache.shape[2]
-    for i, (k, v) in enumerate(zip(reference.dense_keys, reference.dense_values, strict=True)):
-        positions = torch.arange(k.shape[0])
-        slots = reference.block_tables[i, positions // block_size].long() * block_size + positions % block_size
-        backend.write_kv_cache(k, v, key_cache, value_cache, slots)
-    out = backend.paged_attention(
-        reference.query, key_cache, value_cache, reference.block_tables, reference.seq_lens, reference.query_start_loc,
-        reference.scale, max_query_len=16, max_seq_len=200,
-    )
-    torch.testing.assert_close(out, dense_attention(reference), **TOLERANCES[torch.float32])
+    reference, key, value, slots = _written_batch()
+    kv_cache = (torch.zeros_like(reference.key_cache), torch.zeros_like(reference.value_cache))
+    # Every request's K/V in one step's write, into the slots the reference used; then two
+    # "layers" through one prepared metadata (the second reuses what the first set up).
+    meta = backend.prepare(metadata(reference, slots))
+    backend.write_kv_cache(key, value, kv_cache, meta)
+    for _ in range(2):
+        out = backend.paged_attention(reference.query, kv_cache, meta, reference.scale)
+        torch.testing.assert_close(out, dense_attention(reference), **TOLERANCES[torch.float32])
 
 
 def _written_batch():
@@ -65,10 +72,10 @@ def test_the_serving_backend_refuses_a_block_past_the_cache() -> None:
     reference = make_batch([17, 5], [1, 5], group=2)
     tables = reference.block_tables.clone()
     tables[0, 1] = reference.key_cache.shape[0]
+    meta = metadata(reference, torch.zeros(6, dtype=torch.long), tables)
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = \d+ is outside"):
         TorchAttentionBackend(validate=False).paged_attention(
-            reference.query, reference.key_cache, reference.value_cache, tables, reference.seq_lens, reference.query_start_loc,
-            reference.scale)
+            reference.query, (reference.key_cache, reference.value_cache), meta, reference.scale)
 
 
 @pytest.mark.slow  # one torch.compile, ~15 s
@@ -77,13 +84,12 @@ def test_the_serving_backend_compiles_into_one_graph_that_writes_the_cache_in_pl
     reference, key, value, slots = _written_batch()
     key_cache, value_cache = torch.zeros_like(reference.key_cache), torch.zeros_like(reference.value_cache)
 
-    def layer(query, key, value, key_cache, value_cache, slots, tables, seq_lens, starts):
-        backend.write_kv_cache(key * 1.0, value, key_cache, value_cache, slots)  # the math around it, as in a layer
-        return backend.paged_attention(query * 1.0, key_cache, value_cache, tables, seq_lens, starts, reference.scale) + 0.0
+    def layer(query, key, value, kv_cache, meta):
+        backend.write_kv_cache(key * 1.0, value, kv_cache, meta)  # the math around it, as in a layer
+        return backend.paged_attention(query * 1.0, kv_cache, meta, reference.scale) + 0.0
 
     compiled = torch.compile(layer, dynamic=True, fullgraph=True)
-    out = compiled(reference.query, key, value, key_cache, value_cache, slots, reference.block_tables, reference.seq_lens,
-                   reference.query_start_loc)
+    out = compiled(reference.query, key, value, (key_cache, value_cache), backend.prepare(metadata(reference, slots)))
     torch.testing.assert_close(out, dense_attention(reference), **TOLERANCES[torch.float32])
     block_size = key_cache.shape[2]
     torch.testing.assert_close(key_cache[slots // block_size, :, slots % block_size], key, rtol=0, atol=0)

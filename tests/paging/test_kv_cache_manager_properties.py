@@ -64,7 +64,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         prompt = prefix + suffix
         if not prompt:
             return
-        blocks, num_cached = self.manager.get_computed_blocks(prompt, salt) if use_prefix_cache else ([], 0)
+        (blocks,), num_cached = self.manager.get_computed_blocks(prompt, salt) if use_prefix_cache else (((),), 0)
+        blocks = list(blocks)
         assert num_cached == len(blocks) * BLOCK_SIZE < len(prompt)
         for index, block_id in enumerate(blocks):  # a hit must hold exactly these tokens
             assert self.kv[block_id] == prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
@@ -72,7 +73,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         before = self.manager.stats()
-        table = self.manager.allocate_slots(request_id, prompt, num_cached, num_new, blocks, salt)
+        new = self.manager.allocate_slots(request_id, prompt, num_cached, num_new, (tuple(blocks),), salt)
+        table = None if new is None else self.manager.block_ids(request_id)
+        if new is not None:
+            assert new == (tuple(table),)  # a first allocation reports the whole table
         if table is None:
             revived = sum(1 for block_id in blocks if self.manager.refcount(block_id) == 0)
             needed = -(-(num_cached + num_new) // BLOCK_SIZE) - len(blocks)
@@ -95,7 +99,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         end = min(len(request.tokens), start + chunk)
         table_before, stats_before = self.manager.block_ids(request_id), self.manager.stats()
         needed = self._blocks_needed(request_id, start, end)
-        table = self.manager.allocate_slots(request_id, request.tokens, start, end - start)
+        new = self.manager.allocate_slots(request_id, request.tokens, start, end - start)
+        table = None if new is None else self.manager.block_ids(request_id)
         if table is None:
             assert needed > self.manager.num_free_blocks
             assert self.manager.block_ids(request_id) == table_before and self.manager.stats() == stats_before

@@ -1,15 +1,7 @@
 import pytest
 
 from kvserve.paging import KVCacheTooSmallError
-from kvserve.paging.kv_sizing import (
-    PRESETS,
-    ModelShape,
-    check_max_model_len_fits,
-    max_model_len_that_fits,
-    num_blocks_for_memory,
-    parse_memory_size,
-    plan_num_kv_blocks,
-)
+from kvserve.paging.kv_sizing import PRESETS, ModelShape, num_blocks_for_memory, parse_memory_size
 
 GB = 10**9
 
@@ -59,24 +51,6 @@ def test_blocks_for_memory_round_down_to_whole_blocks():
     assert num_blocks_for_memory(368_640 * 10, shape, 2) == 10
     assert num_blocks_for_memory(368_640 * 10 - 1, shape, 2) == 9
     assert num_blocks_for_memory(368_640 * 10, shape, 2, block_size=32) == 5
-
-
-def test_too_small_cache_names_the_largest_max_model_len_that_fits():
-    assert max_model_len_that_fits(100, 16) == 1600
-    check_max_model_len_fits(1600, 100, 16)
-    with pytest.raises(KVCacheTooSmallError, match="largest max_model_len that fits is 1600: pass --max-model-len 1600") as info:
-        check_max_model_len_fits(8192, 100, 16)
-    assert info.value.largest_fitting == 1600
-
-
-def test_plan_num_kv_blocks_prefers_an_explicit_count_and_checks_the_fit():
-    shape = PRESETS["smollm2-135m"]
-    assert plan_num_kv_blocks(shape, 2, 16, 8192, num_kv_blocks=512, kv_cache_memory=1) == 512
-    assert plan_num_kv_blocks(shape, 2, 16, 8192, kv_cache_memory=2 * GB) == 2 * GB // 368_640
-    with pytest.raises(KVCacheTooSmallError, match="--max-model-len 4336"):
-        plan_num_kv_blocks(shape, 2, 16, 8192, kv_cache_memory=100_000_000)
-    with pytest.raises(ValueError, match="--num-kv-blocks"):
-        plan_num_kv_blocks(shape, 2, 16, 8192)
 
 
 @pytest.mark.parametrize(

@@ -33,20 +33,24 @@ def test_salt_keeps_tenants_apart_and_none_differs_from_empty():
     cache = PrefixCache(SIZE)
     tokens = list(range(3 * SIZE))
     register_all(cache, tokens, salt="tenant-a")
-    assert cache.lookup(tokens, root_hash("tenant-a"), 3) == [0, 1, 2]
-    assert cache.lookup(tokens, root_hash("tenant-b"), 3) == []
-    assert cache.lookup(tokens, root_hash(None), 3) == []
+    assert cache.lookup(tokens, [], root_hash("tenant-a"), 3) == [0, 1, 2]
+    assert cache.lookup(tokens, [], root_hash("tenant-b"), 3) == []
+    assert cache.lookup(tokens, [], root_hash(None), 3) == []
 
 
-def test_lookup_returns_the_longest_prefix_and_counts_tokens():
+def test_lookup_returns_the_longest_prefix_and_memoises_the_keys():
     cache = PrefixCache(SIZE)
     tokens = list(range(4 * SIZE))
     register_all(cache, tokens[: 2 * SIZE], first_block_id=5)
-    assert cache.lookup(tokens, root_hash(None), 4) == [5, 6]
-    assert cache.lookup(tokens, root_hash(None), 1) == [5]
+    assert cache.lookup(tokens, [], root_hash(None), 4) == [5, 6]
+    assert cache.lookup(tokens, [], root_hash(None), 1) == [5]
     diverging = tokens[:SIZE] + [0] * SIZE
-    assert cache.lookup(diverging, root_hash(None), 2) == [5]
-    assert (cache.queries, cache.hits) == (4 * SIZE + 4 * SIZE + 2 * SIZE, 3 * SIZE + SIZE)
+    assert cache.lookup(diverging, [], root_hash(None), 2) == [5]
+    hashes = []
+    assert cache.lookup(tokens, hashes, root_hash(None), 4) == [5, 6]
+    assert len(hashes) == 3  # hashed up to the first miss, ready for the next group's lookup
+    assert hashes == chain(cache, tokens[: 3 * SIZE])
+    assert cache.lookup(tokens, hashes, root_hash(None), 4) == [5, 6] and len(hashes) == 3
 
 
 def test_a_hit_is_verified_against_the_stored_tokens():
@@ -54,9 +58,9 @@ def test_a_hit_is_verified_against_the_stored_tokens():
     cache = PrefixCache(SIZE, hasher=lambda parent, tokens: b"x" * 32)
     stored = list(range(SIZE))
     cache.register(3, b"x" * 32, root_hash(None), stored)
-    assert cache.lookup([7] * SIZE + [0], root_hash(None), 1) == []
-    assert cache.lookup(stored + [0], root_hash(None), 1) == [3]
-    assert cache.lookup(stored + [0], root_hash("other"), 1) == []  # parent key differs
+    assert cache.lookup([7] * SIZE + [0], [], root_hash(None), 1) == []
+    assert cache.lookup(stored + [0], [], root_hash(None), 1) == [3]
+    assert cache.lookup(stored + [0], [], root_hash("other"), 1) == []  # parent key differs
 
 
 def test_register_keeps_the_first_block_for_a_key_and_forget_removes_it():
@@ -68,7 +72,7 @@ def test_register_keeps_the_first_block_for_a_key_and_forget_removes_it():
     assert not cache.register(1, key, root_hash(None), tokens)  # already cached
     assert cache.is_cached(1) and not cache.is_cached(2) and cache.hash_of(1) == key
     cache.forget(1)
-    assert len(cache) == 0 and cache.lookup(tokens + [0], root_hash(None), 1) == []
+    assert len(cache) == 0 and cache.lookup(tokens + [0], [], root_hash(None), 1) == []
     assert cache.register(2, key, root_hash(None), tokens)
 
 

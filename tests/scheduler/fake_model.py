@@ -7,9 +7,14 @@ context, read through the block table. A scheduler or allocator bug (a wrong blo
 missing copy-on-write, a prefix-cache hit on the wrong block, a slot never written) therefore
 changes the output or fails an assertion, and the next token is a deterministic function of
 the full token history, so a preempted request must produce exactly its unpreempted output.
+
+Like the real runner it knows a request only through the step diffs (new requests once, then new
+tokens and new blocks), so a diff that loses a token or a block shows up here too.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from kvserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -35,28 +40,73 @@ def reference_next_token(history: list[int], vocab_size: int, seed: int = 0) -> 
     return next_token(states, seed, vocab_size)
 
 
+@dataclass
+class _RequestState:
+    """What the fake runner holds of a request: built only from the step diffs, as the real one."""
+
+    num_prompt_tokens: int
+    seed: int
+    token_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """What the runner computed for one request in one step (its view, rebuilt from the diffs)."""
+
+    request_id: str
+    num_computed_tokens: int
+    token_ids: list[int]
+    samples: bool
+
+
 class FakeModelRunner:
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 32) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.num_copies = 0
+        self.requests: dict[str, _RequestState] = {}
+        self.last_inputs: list[StepInput] = []
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in output.finished_req_ids:
+            del self.requests[request_id]  # told once, of a request it holds
+        for new in output.new_requests:
+            assert new.request_id not in self.requests, f"{new.request_id} was sent as new twice"
+            self.requests[new.request_id] = _RequestState(new.num_prompt_tokens, new.seed)
         for source, destination in output.blocks_to_copy:
             self.cache[destination] = list(self.cache[source])
             self.num_copies += 1
         request_ids, token_ids = [], []
+        self.last_inputs = []
         for scheduled in output.scheduled:
-            start = scheduled.num_computed_tokens
-            state = self._read(scheduled.block_ids, start - 1) if start else ROOT_STATE
-            for offset, token_id in enumerate(scheduled.token_ids):
-                state = kv_state(state, token_id, start + offset)
-                self._write(scheduled.block_ids, start + offset, state)
+            state = self.requests[scheduled.request_id]
+            state.token_ids.extend(scheduled.new_token_ids)
+            if scheduled.tables_replaced:
+                state.tables = [list(table) for table in scheduled.new_block_ids]
+            else:
+                for table, new_blocks in zip(state.tables, scheduled.new_block_ids):
+                    table.extend(new_blocks)
+            start, end = scheduled.num_computed_tokens, scheduled.seq_len
+            assert end <= len(state.token_ids), f"{scheduled.request_id}: tokens up to {end} were never sent"
+            assert scheduled.samples == (end == len(state.token_ids))
+            for table in state.tables:
+                assert len(table) * self.block_size >= end, f"{scheduled.request_id}: its table is too short"
+            inputs = state.token_ids[start:end]
+            self.last_inputs.append(StepInput(scheduled.request_id, start, inputs, scheduled.samples))
+            for table in state.tables:  # every group's table must hold the same history
+                kv = self._read(table, start - 1) if start else ROOT_STATE
+                for offset, token_id in enumerate(inputs):
+                    kv = kv_state(kv, token_id, start + offset)
+                    self._write(table, start + offset, kv)
             if scheduled.samples:
-                states = [self._read(scheduled.block_ids, p) for p in range(scheduled.seq_len)]
+                tables = state.tables
+                states = [self._read(tables[0], p) for p in range(end)]
+                for table in tables[1:]:
+                    assert [self._read(table, p) for p in range(end)] == states
                 request_ids.append(scheduled.request_id)
-                token_ids.append(next_token(states, scheduled.seed, self.vocab_size))
+                token_ids.append([next_token(states, state.seed, self.vocab_size)])
         return ModelRunnerOutput(request_ids, token_ids, [None] * len(request_ids))
 
     def _read(self, block_ids: list[int], position: int) -> int:

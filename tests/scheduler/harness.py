@@ -14,7 +14,7 @@ from kvserve.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from tests.scheduler.fake_model import FakeModelRunner
+from tests.scheduler.fake_model import FakeModelRunner, StepInput
 
 BLOCK_SIZE = 8
 VOCAB_SIZE = 32
@@ -62,11 +62,12 @@ def make_config(**overrides: object) -> SchedulerConfig:
 class StepRecord:
     output: SchedulerOutput
     updates: list[RequestUpdate]
+    inputs: list[StepInput]  # what the runner computed, per scheduled request
 
     @property
     def batch(self) -> list[tuple[str, int]]:
         """(request id, tokens scheduled) in batch order."""
-        return [(r.request_id, r.num_tokens) for r in self.output.scheduled]
+        return [(r.request_id, r.num_new_tokens) for r in self.output.scheduled]
 
 
 @dataclass
@@ -79,8 +80,10 @@ class Harness:
     finished: dict[str, Request] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
 
+    group_specs: list | None = None  # None: one group
+
     def __post_init__(self) -> None:
-        self.kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching, self.group_specs)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = FakeModelRunner(self.num_blocks, self.block_size, VOCAB_SIZE)
 
@@ -95,12 +98,21 @@ class Harness:
         return output
 
     def update(self, output: SchedulerOutput) -> list[RequestUpdate]:
-        updates = self.scheduler.update_from_output(output, self.runner.execute(output))
+        runner_output = self.runner.execute(output)
+        known = self.scheduler._requests
+        for step_input in self.runner.last_inputs:  # the runner's view, rebuilt from diffs, is the scheduler's
+            request = known.get(step_input.request_id)
+            if request is not None:  # else finished since schedule(): the next step tells the runner
+                start = step_input.num_computed_tokens
+                assert step_input.token_ids == request.all_token_ids[start:start + len(step_input.token_ids)]
+        leftover = set(self.runner.requests) - set(known)
+        assert leftover <= set(self.scheduler._finished_req_ids), f"the runner was never told {leftover} ended"
+        updates = self.scheduler.update_from_output(output, runner_output)
         for update in updates:
             self.outputs[update.request.request_id].extend(update.new_token_ids)
             if update.finished:
                 self.finished[update.request.request_id] = update.request
-        self.steps.append(StepRecord(output, updates))
+        self.steps.append(StepRecord(output, updates, self.runner.last_inputs))
         return updates
 
     def step(self) -> StepRecord:
@@ -132,10 +144,12 @@ class Harness:
         ids = [r.request_id for r in output.scheduled]
         assert len(ids) == len(set(ids)), "a request appears twice in one step"
         for scheduled in output.scheduled:
-            assert scheduled.num_tokens >= 1
-            assert len(scheduled.block_ids) * self.block_size >= scheduled.seq_len
+            assert scheduled.num_new_tokens >= 1
+            # A step's diff stays small: the tokens since the last step, whole tables only when needed.
+            if not scheduled.tables_replaced:
+                assert len(scheduled.new_token_ids) <= 1
             if config.long_prefill_token_threshold:
-                assert scheduled.num_tokens <= config.long_prefill_token_threshold
+                assert scheduled.num_new_tokens <= config.long_prefill_token_threshold
         # No physical block is in two tables unless the prefix cache or a fork shares it, and
         # then only on the positions both have computed, which the fake model checks.
         stats = self.kv.stats()

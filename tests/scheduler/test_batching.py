@@ -48,7 +48,7 @@ def test_chunk_boundaries_and_sampling_only_at_prompt_end() -> None:
     prompt = list(request.prompt_token_ids)
     h.add(request)
     records = h.run()
-    chunks = [(s.num_computed_tokens, s.token_ids, s.samples) for r in records for s in r.output.scheduled]
+    chunks = [(s.num_computed_tokens, s.token_ids, s.samples) for r in records for s in r.inputs]
     out = h.outputs["a"]
     assert chunks == [
         (0, prompt[0:8], False),

@@ -40,7 +40,7 @@ def test_siblings_share_prompt_blocks_and_copy_the_partial_block_on_write() -> N
     second = h.step()
     # Each sibling recomputes the last prompt token (position 11) and samples its first token.
     assert second.batch == [("p#0", 1), ("p#1", 1), ("p#2", 1)]
-    assert [(s.num_computed_tokens, s.token_ids) for s in second.output.scheduled[1:]] == [(11, [8]), (11, [8])]
+    assert [(s.num_computed_tokens, s.token_ids) for s in second.inputs[1:]] == [(11, [8]), (11, [8])]
     # The partial block is shared three ways: the first two writers copy it, the last keeps it.
     copies = second.output.blocks_to_copy
     assert [source for source, _ in copies] == [leader_blocks[1], leader_blocks[1]]

@@ -1,6 +1,7 @@
 """Hypothesis-driven workloads: arrivals, aborts at any moment (also between schedule and
-update), preemptions, chunking, prefix sharing and n > 1, checked against the fake model's
-reference outputs and the invariants of every step; every block is free at the end."""
+update), preemptions, chunking, prefix sharing and n > 1, with one or two layer groups, checked
+against the fake model's reference outputs and the invariants of every step; every block is free
+at the end."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.paging import FullAttentionSpec
 from kvserve.scheduler import FinishReason, Request, SamplingParams
 from tests.scheduler.fake_model import reference_next_token
 from tests.scheduler.harness import BLOCK_SIZE, VOCAB_SIZE, Harness, make_config, make_request
 
 EOS = 3  # inside the vocabulary: some requests stop early
 SHARED_PREFIX = [(7 * i + 1) % VOCAB_SIZE for i in range(40)]
+TWO_GROUPS = [FullAttentionSpec(2, 16, "float32", 4), FullAttentionSpec(1, 32, "float32", 4)]
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,12 @@ def workloads(draw: st.DrawFn) -> tuple[Harness, list[Spec]]:
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
-    num_blocks = draw(st.integers(max_model_len // BLOCK_SIZE, 16))
-    harness = Harness(num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()), config=config)
+    # One layer group, or two (a model whose layers keep different caches: one table each).
+    group_specs = draw(st.sampled_from([None, TWO_GROUPS]))
+    num_groups = 1 if group_specs is None else len(group_specs)
+    num_blocks = draw(st.integers(num_groups * max_model_len // BLOCK_SIZE, 16 * num_groups))
+    harness = Harness(num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()), config=config,
+                      group_specs=group_specs)
     return harness, draw(st.lists(specs(max_model_len), min_size=1, max_size=8))
 
 
