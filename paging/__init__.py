@@ -19,6 +19,7 @@ from kvserve.paging.kv_cache_spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     group_layers,
     plan_kv_cache_config,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheStats",
     "KVCacheTooSmallError",
+    "MLAAttentionSpec",
     "NoFreeBlocksError",
     "PagingError",
     "PrefixCache",

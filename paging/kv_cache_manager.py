@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvserve.paging.block_allocator import BlockAllocator
 from kvserve.paging.block_table import BlockTable
 from kvserve.paging.errors import PagingError, UnknownRequestError
-from kvserve.paging.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, check_max_model_len_fits
+from kvserve.paging.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec, check_max_model_len_fits
 from kvserve.paging.prefix_cache import BlockHash, root_hash
 from kvserve.paging.single_type_manager import FullAttentionManager
 
@@ -32,7 +32,8 @@ from kvserve.paging.single_type_manager import FullAttentionManager
 GroupBlockIds = tuple[tuple[int, ...], ...]
 # allocate_slots' answer when no table gained a block (15 decode steps in 16).
 NO_NEW_BLOCKS: GroupBlockIds = ()
-MANAGER_OF_KIND = {FullAttentionSpec: FullAttentionManager}
+# A latent (MLA) layer reads every earlier token's latent, as full attention reads its K/V.
+MANAGER_OF_KIND = {FullAttentionSpec: FullAttentionManager, MLAAttentionSpec: FullAttentionManager}
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,18 @@ groups draw block ids from one shared pool:
     groups:  g0 = layers (0, 1)  g1 = layers (3, 4)  g2 = layers (2, 5)     (2 layers each)
     slots:   slot 0 holds layers 0, 3, 2   slot 1 holds layers 1, 4, 5
 
-Memory is `num_slots` tensors of `num_blocks` pages (vLLM v1's layout): a slot's page at block
+Memory is `num_slots` slots of `num_blocks` pages (vLLM v1's layout): a slot's page at block
 id b belongs to whichever group holds block b, and each group reads slot j as its j-th layer.
 A block id therefore costs one page in every slot, whoever holds it, and no memory sits reserved
 for a group that is not using it. Groups are made equally large (layers of a kind split into
 groups of the smallest kind's size) so that slots are not wasted on small groups; a page is the
 largest group's page, so layers with a smaller page leave the rest of it unused.
+
+A spec says how its page splits into parts (`page_parts`): full attention's into K and V, a
+latent (MLA) layer's not at all. When every group splits its page alike, a slot is that many
+planes (K pages in one tensor, V pages in another: each part's blocks stay evenly strided and
+as close as the page allows, the kernels' fastest layout); when the kinds differ (K/V layers
+beside latent ones), a slot is one plane and a page holds its parts side by side.
 
 Pure Python (no torch): the engine maps `dtype` names to tensor types.
 """
@@ -53,13 +59,58 @@ class FullAttentionSpec:
         """One layer's share of one block."""
         return self.bytes_per_token * block_size
 
+    def page_parts(self, block_size: int) -> tuple[int, ...]:
+        """The page's parts in bytes, in order: the keys, then the values."""
+        half = self.page_bytes(block_size) // 2
+        return half, half
+
     def max_num_blocks(self, num_tokens: int, block_size: int) -> int:
         """Blocks a request of `num_tokens` tokens holds at once in a group of this kind."""
         return -(-num_tokens // block_size)
 
 
-# The kinds a layer can declare (sliding-window and latent specs join this union).
-KVCacheSpec = FullAttentionSpec
+@dataclass(frozen=True)
+class MLAAttentionSpec:
+    """A multi-head latent attention layer (DeepSeek-V2/V3): one latent vector per token and no
+    heads: the compressed KV (kv_lora_rank values, normalised) and the decoupled rope key
+    (qk_rope_head_dim values), which every query head reads. Keys are the whole vector, values its
+    first kv_lora_rank values (the absorbed form: attention with one shared KV head). It pages
+    like full attention: every block of the prefix is needed, none is given back early."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str
+    dtype_bytes: int
+
+    kind = "latent attention (MLA)"
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def latent_size(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One latent vector: (kv_lora_rank + qk_rope_head_dim) x dtype bytes."""
+        return self.latent_size * self.dtype_bytes
+
+    def page_bytes(self, block_size: int) -> int:
+        return self.bytes_per_token * block_size
+
+    def page_parts(self, block_size: int) -> tuple[int, ...]:
+        """One part: the latents (keys and values are both read out of it)."""
+        return (self.page_bytes(block_size),)
+
+    def max_num_blocks(self, num_tokens: int, block_size: int) -> int:
+        return -(-num_tokens // block_size)
+
+
+# The kinds a layer can declare (sliding-window specs join this union).
+KVCacheSpec = FullAttentionSpec | MLAAttentionSpec
 
 
 @dataclass(frozen=True)
@@ -105,6 +156,26 @@ class KVCacheConfig:
         return max(group.spec.page_bytes(self.block_size) for group in self.groups)
 
     @property
+    def num_planes(self) -> int:
+        """Tensors per slot: every group's page parts in planes of their own, when they all split
+        their pages alike; otherwise one plane holding each page whole."""
+        return num_planes(self.groups, self.block_size)
+
+    @property
+    def plane_bytes(self) -> int:
+        """One block's bytes in one plane of one slot."""
+        return plane_bytes(self.groups, self.block_size)
+
+    def part_places(self, group_index: int) -> list[tuple[int, int, int]]:
+        """Where each of a group's page parts lives in a slot: (plane, byte offset in the
+        plane's page, bytes), in the spec's part order."""
+        parts = self.groups[group_index].spec.page_parts(self.block_size)
+        if self.num_planes > 1:
+            return [(plane, 0, size) for plane, size in enumerate(parts)]
+        offsets = [sum(parts[:index]) for index in range(len(parts))]
+        return [(0, offset, size) for offset, size in zip(offsets, parts)]
+
+    @property
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.groups, self.block_size)
 
@@ -124,9 +195,21 @@ class KVCacheConfig:
         check_max_model_len_fits([group.spec for group in self.groups], max_model_len, self.num_blocks, self.block_size)
 
 
+def num_planes(groups: Sequence[KVCacheGroupSpec], block_size: int) -> int:
+    counts = {len(g.spec.page_parts(block_size)) for g in groups}
+    return counts.pop() if len(counts) == 1 else 1
+
+
+def plane_bytes(groups: Sequence[KVCacheGroupSpec], block_size: int) -> int:
+    if num_planes(groups, block_size) == 1:
+        return max(g.spec.page_bytes(block_size) for g in groups)
+    return max(max(g.spec.page_parts(block_size)) for g in groups)
+
+
 def bytes_per_block(groups: Sequence[KVCacheGroupSpec], block_size: int) -> int:
     """What one block id costs: a page (the largest group's) in every slot."""
-    return max(len(g.layer_indices) for g in groups) * max(g.spec.page_bytes(block_size) for g in groups)
+    planes = num_planes(groups, block_size)
+    return max(len(g.layer_indices) for g in groups) * planes * plane_bytes(groups, block_size)
 
 
 def blocks_per_request(group_specs: Sequence[KVCacheSpec], num_tokens: int, block_size: int) -> int:

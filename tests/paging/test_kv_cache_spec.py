@@ -2,7 +2,15 @@
 
 import pytest
 
-from kvserve.paging import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTooSmallError, group_layers, plan_kv_cache_config
+from kvserve.paging import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTooSmallError,
+    MLAAttentionSpec,
+    group_layers,
+    plan_kv_cache_config,
+)
 from kvserve.paging.kv_cache_spec import check_max_model_len_fits
 from kvserve.paging.kv_sizing import PRESETS
 
@@ -80,3 +88,37 @@ def test_one_request_must_fit_in_every_group_at_once():
     assert info.value.largest_fitting == 800
     with pytest.raises(KVCacheTooSmallError):
         plan_kv_cache_config([A, B], 16, 801, num_kv_blocks=100)
+
+
+# DeepSeek-V3's latent: kv_lora_rank 512 + rope 64 values per token, in bf16.
+LATENT = MLAAttentionSpec(kv_lora_rank=512, qk_rope_head_dim=64, dtype="bfloat16", dtype_bytes=2)
+
+
+def test_a_latent_layer_keeps_one_vector_per_token_in_one_part():
+    assert LATENT.bytes_per_token == 576 * 2
+    assert LATENT.page_parts(16) == (576 * 2 * 16,)
+    assert LATENT.max_num_blocks(33, 16) == 3  # every block of the context, as full attention
+    config = KVCacheConfig(10, 16, group_layers([LATENT] * 61))
+    # One plane of whole latent pages per slot: a block costs 61 latent pages, nothing for V.
+    assert (config.num_planes, config.plane_bytes) == (1, 576 * 2 * 16)
+    assert config.bytes_per_block == 61 * 576 * 2 * 16
+    assert config.part_places(0) == [(0, 0, 576 * 2 * 16)]
+    with pytest.raises(ValueError, match="kv_lora_rank must be at least 1"):
+        MLAAttentionSpec(0, 64, "bfloat16", 2)
+
+
+def test_full_attention_keeps_k_and_v_in_planes_of_their_own():
+    config = KVCacheConfig(10, 16, group_layers([SMOLLM2] * 30))
+    half = SMOLLM2.page_bytes(16) // 2
+    assert (config.num_planes, config.plane_bytes) == (2, half)
+    assert config.part_places(0) == [(0, 0, half), (1, 0, half)]
+
+
+def test_latent_and_full_attention_layers_share_one_plane_of_whole_pages():
+    wide = FullAttentionSpec(4, 64, "bfloat16", 2)  # 2 * 4 * 64 = 512 values a token, the latent 576
+    config = KVCacheConfig(10, 16, group_layers([LATENT, wide, LATENT, wide]))
+    assert config.num_planes == 1 and config.plane_bytes == LATENT.page_bytes(16)
+    assert config.bytes_per_block == 2 * LATENT.page_bytes(16)
+    full = [i for i, g in enumerate(config.groups) if g.spec == wide][0]
+    half = wide.page_bytes(16) // 2
+    assert config.part_places(full) == [(0, 0, half), (0, half, half)]  # K then V, side by side
