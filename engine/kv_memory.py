@@ -29,8 +29,11 @@ CUDA_KV_CACHE_FRACTION = 0.9
 # What the process needs beyond the weights and the KV cache, measured with SmolLM2-135M in bf16
 # on CPU: ~0.5 GiB at rest (Python, torch, tokenizer, the HTTP server, loader leftovers) and
 # ~0.85 GiB at the peak of a 2048-token prefill chunk (attention scores and MLP activations).
+# Starting the compiled forward (torch.compile's modules, graphs loaded from inductor's cache)
+# peaks ~0.65 GiB higher: under `docker run --memory 2g` a 1 GiB reserve was OOM-killed at
+# start-up (cgroup peak 1.65 GB eager with a 0.75 GiB cache, 1.79 GB compiled with 0.25 GiB).
 # Rounded up for margin. A larger --max-num-batched-tokens needs more: set --kv-cache-memory then.
-CPU_RUNTIME_OVERHEAD_BYTES = 1 << 30
+CPU_RUNTIME_OVERHEAD_BYTES = 3 << 29  # 1.5 GiB
 # cgroup v1 reports "no limit" as a huge page-aligned number (2^63 - 4096 on x86-64).
 _V1_UNLIMITED = 1 << 62
 
