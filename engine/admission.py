@@ -8,8 +8,8 @@ priority scheduling and `cache_salt` is a real salt. Ranges that need no model (
 
 `LLMEngine.add_request` runs it for every request. The server runs the same check before it
 answers (so a refusal is a 400 rather than an error event inside a stream): an `AdmissionError`
-names the parameter at fault, as the OpenAI API spells it, and OpenAI's error code where there
-is one.
+names the engine's field at fault (add_request's arguments, SamplingParams' fields); the server
+maps it to the field of the API that was called and picks that API's error code.
 """
 
 from __future__ import annotations
@@ -22,38 +22,37 @@ from kvserve.scheduler.sampling_params import SamplingParams
 
 
 class AdmissionError(ValueError):
-    """A request the engine will not take. `param` names the field to change; `code` is
-    OpenAI's error code for the case, if it has one."""
+    """A request the engine will not take. `field` names the engine's input to change: "prompt",
+    "priority", "cache_salt", or a SamplingParams field ("max_tokens", "logit_bias",
+    "stop_token_ids", "structured_output")."""
 
-    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+    def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
-        self.param = param
-        self.code = code
+        self.field = field
 
 
 class PromptTooLongError(AdmissionError):
-    """The prompt (plus the tokens asked for) does not fit in max_model_len. `param` is "prompt",
-    or the completion-length parameter as the caller spells it."""
+    """The prompt (plus the tokens asked for) does not fit in max_model_len. `field` is "prompt",
+    or "max_tokens" when the prompt alone fits."""
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                 max_tokens_param: str = "max_tokens") -> None:
-        if max_tokens is None or num_prompt_tokens >= max_model_len:
-            param = "prompt"
-            message = (
-                f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                f"{num_prompt_tokens} tokens. Please shorten the prompt."
-            )
-        else:
-            param = max_tokens_param
-            message = (
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-                f"for the completion). Please reduce the prompt or {max_tokens_param}."
-            )
-        super().__init__(message, param, code="context_length_exceeded")
+    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
+        super().__init__(self.describe(), "prompt" if self._prompt_at_fault else "max_tokens")
+
+    @property
+    def _prompt_at_fault(self) -> bool:
+        return self.max_tokens is None or self.num_prompt_tokens >= self.max_model_len
+
+    def describe(self, max_tokens_name: str = "max_tokens") -> str:
+        """The message, with the completion budget named as the caller's API names it."""
+        if self._prompt_at_fault:
+            return (f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                    f"{self.num_prompt_tokens} tokens. Please shorten the prompt.")
+        return (f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{self.num_prompt_tokens + self.max_tokens} tokens ({self.num_prompt_tokens} in the prompt, "
+                f"{self.max_tokens} for the completion). Please reduce the prompt or {max_tokens_name}.")
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,10 @@ class AdmissionCheck:
             raise AdmissionError("cache_salt must be valid Unicode text (it holds an unpaired surrogate).",
                                  "cache_salt")
 
-    def _check_in_vocab(self, token_ids: Iterable[int], param: str, what: str) -> None:
+    def _check_in_vocab(self, token_ids: Iterable[int], field: str, what: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise AdmissionError(f"{what.format(bad)} is outside the vocabulary [0, {self.vocab_size}).", param)
+            raise AdmissionError(f"{what.format(bad)} is outside the vocabulary [0, {self.vocab_size}).", field)
 
 
 def _is_utf8(text: str) -> bool:

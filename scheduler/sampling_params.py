@@ -1,8 +1,8 @@
 """How one request wants its tokens chosen and when it should stop.
 
 Field names follow vLLM's `SamplingParams` so users can move code between the two. The object is
-frozen and validates itself: an invalid value raises `SamplingParamsError` naming the parameter, so
-the HTTP layer can turn it into a 400 whose `param` is that name.
+frozen and validates itself: an invalid value raises `SamplingParamsError` naming the field at
+fault, as this class spells it; the HTTP layer maps it to the request field of the API called.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from kvserve.scheduler.structured_output_params import StructuredOutputParams
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; `param` names it (as the OpenAI API spells it)."""
+    """A sampling parameter is out of range; `field` names it (a field of SamplingParams)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
-        self.param = param
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _require(condition: bool, param: str, message: str) -> None:
+def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
-        raise SamplingParamsError(param, message)
+        raise SamplingParamsError(field_name, message)
 

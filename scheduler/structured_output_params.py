@@ -20,9 +20,6 @@ class GrammarKind(str, enum.Enum):
 class StructuredOutputParams:
     kind: GrammarKind
     spec: str = ""
-    # The request field it came from (e.g. "response_format"), so a spec that cannot be compiled
-    # gets a 400 naming it.
-    param: str = "response_format"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, GrammarKind):

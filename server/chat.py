@@ -28,6 +28,7 @@ from kvserve.server.responder import Choice, read_generation_request, respond
 from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
 from kvserve.server.streaming import sse_event
+from kvserve.server.structured_outputs import output_constraint
 from kvserve.server.tool_calls import FunctionCall, ToolCall, ToolMode, template_tools, tool_mode
 
 
@@ -82,18 +83,23 @@ def plan_chat(state: ServingState, engine: ServingEngine, body: ChatCompletionRe
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     base = build_sampling_params(body, max_tokens=requested, logprobs=top_logprobs,
                                  logprobs_param="top_logprobs", limits=limits)
+    constraint = output_constraint(body)
     prompt = chat_prompt(state, engine, body)
     if prompt.tools is not None and prompt.tools.constraint is not None:
-        if base.structured_output is not None:
+        if constraint is not None:
             raise bad_request("A forced tool call cannot be combined with another output constraint.",
-                              base.structured_output.param)
-        base = replace(base, structured_output=prompt.tools.constraint)
+                              constraint.param)
+        constraint = prompt.tools.constraint
     style = state.settings.reasoning_style
     starts_open = style.starts_open(prompt.text) if style is not None else None
-    if starts_open is not None and base.structured_output is not None:
-        base = replace(base, structured_output=after_reasoning(base.structured_output, starts_open))
+    if starts_open is not None and constraint is not None:
+        constraint = after_reasoning(constraint, starts_open)
+    renamed = {"max_tokens": param}
+    if constraint is not None:
+        base = replace(base, structured_output=constraint.params)
+        renamed["structured_output"] = constraint.param
     params = with_max_tokens(base, resolve_max_tokens(len(prompt.token_ids), requested, engine.max_model_len, limits))
-    admit(engine, prompt.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, max_tokens_param=param)
+    admit(engine, prompt.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, renamed=renamed)
     job = GenerationJob(f"{request_id}-0", prompt.text, prompt.token_ids, params, body.priority, body.cache_salt)
     return ChatPlan(job, AnswerFormat(prompt.tools, starts_open), top_logprobs)
 

@@ -29,6 +29,7 @@ from kvserve.server.responder import Choice, read_generation_request, respond
 from kvserve.server.sampling import build_sampling_params, with_max_tokens
 from kvserve.server.serving_state import ServingState
 from kvserve.server.streaming import sse_event
+from kvserve.server.structured_outputs import output_constraint
 
 
 def completions_router(state: ServingState) -> APIRouter:
@@ -42,14 +43,17 @@ def completions_router(state: ServingState) -> APIRouter:
         max_tokens = 1 if score_only else body.max_tokens
         base = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
                                      logprobs_param="logprobs", limits=limits)
-        base = replace(base, prompt_logprobs=_prompt_logprobs(body, limits))
+        constraint = output_constraint(body)
+        base = replace(base, prompt_logprobs=_prompt_logprobs(body, limits),
+                       structured_output=constraint.params if constraint is not None else None)
+        renamed = {"structured_output": constraint.param} if constraint is not None else None
         prompts = completion_prompts(body.prompt, engine.tokenizer, limits)
         response_id = new_id("cmpl")
         jobs = []
         for i, p in enumerate(prompts):
             params = with_max_tokens(base, resolve_max_tokens(len(p.token_ids), max_tokens,
                                                               engine.max_model_len, limits))
-            admit(engine, p.token_ids, params, priority=body.priority, cache_salt=body.cache_salt)
+            admit(engine, p.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, renamed=renamed)
             text = p.text if p.text is not None else engine.tokenizer.decode(p.token_ids, skip_special_tokens=False)
             jobs.append(GenerationJob(f"{response_id}-{i}", text, p.token_ids, params, body.priority, body.cache_salt))
         formatter = _CompletionFormatter(body, engine.tokenizer, jobs, response_id, now_s(),

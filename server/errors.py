@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.engine import AdmissionError
+from kvserve.engine import AdmissionError, PromptTooLongError, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +88,25 @@ def check_model(requested: str | None, served: str) -> None:
         raise model_not_found(requested, served)
 
 
+def refused(error: AdmissionError | SamplingParamsError, renamed: Mapping[str, str] | None = None) -> APIError:
+    """The engine's refusal as a 400. The engine names its own fields (SamplingParams' and
+    add_request's: "max_tokens", "logprobs", "structured_output", "prompt", ...); `renamed` maps
+    those that this request spells otherwise to its names (chat's max_completion_tokens, the
+    field an output constraint came from). OpenAI's error codes are picked here, not below."""
+    renamed = renamed or {}
+    param = renamed.get(error.field, error.field)
+    if isinstance(error, PromptTooLongError):
+        return bad_request(error.describe(renamed.get("max_tokens", "max_tokens")), param,
+                           code="context_length_exceeded")
+    if error.field == "structured_output":  # "the json_schema constraint cannot be compiled: ..."
+        return bad_request(f"{param}: {error}", param)
+    return bad_request(str(error), param)
+
+
 def error_from_engine(error: Exception, engine_dead: bool) -> APIError:
     """What a failure raised by `engine.generate` means for the client."""
     if isinstance(error, AdmissionError) and not engine_dead:
-        return bad_request(str(error), error.param, code=error.code)
+        return refused(error)
     if isinstance(error, ValueError) and not engine_dead:  # a request the engine refused
         return bad_request(str(error))
     if engine_dead:

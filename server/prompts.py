@@ -9,12 +9,13 @@ admission check alone; `admit` turns its refusal into the OpenAI error.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine import AdmissionError, PromptTooLongError, SamplingParams
+from kvserve.engine import AdmissionError, SamplingParams
 from kvserve.server.engine_protocol import ServingEngine, ServingTokenizer
-from kvserve.server.errors import bad_request
+from kvserve.server.errors import bad_request, refused
 from kvserve.server.limits import ServerLimits
 from kvserve.server.protocol import ChatMessage
 
@@ -73,13 +74,11 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
 
 
 def admit(engine: ServingEngine, token_ids: list[int], params: SamplingParams, *, priority: int,
-          cache_salt: str | None, max_tokens_param: str = "max_tokens") -> None:
-    """The engine's admission check; a refusal becomes a 400 naming the parameter, spelled as
-    this endpoint spells it (chat's budget may be max_completion_tokens)."""
+          cache_salt: str | None, renamed: Mapping[str, str] | None = None) -> None:
+    """The engine's admission check; a refusal becomes a 400 naming the request's field.
+    `renamed`: engine fields this request spells otherwise (chat's budget may be
+    max_completion_tokens; a constraint is named by the field it came from)."""
     try:
         engine.check_request(token_ids, params, priority=priority, cache_salt=cache_salt)
-    except PromptTooLongError as error:
-        named = PromptTooLongError(error.num_prompt_tokens, error.max_tokens, error.max_model_len, max_tokens_param)
-        raise bad_request(str(named), named.param, code=named.code) from None
     except AdmissionError as error:
-        raise bad_request(str(error), error.param, code=error.code) from None
+        raise refused(error, renamed) from None

@@ -16,6 +16,7 @@ import json
 from kvserve.engine import GrammarKind, StructuredOutputParams
 from kvserve.server.errors import bad_request
 from kvserve.server.reasoning import END_TAG, START_TAG
+from kvserve.server.structured_outputs import OutputConstraint
 
 
 def _text_without(tag: str) -> str:
@@ -47,19 +48,19 @@ def _reasoning_grammar(starts_open: bool) -> str:
 _BLANKS = 'blanks ::= [ \\t\\r\\n]{0,8}\n'
 
 
-def after_reasoning(constraint: StructuredOutputParams, starts_open: bool) -> StructuredOutputParams:
+def after_reasoning(constraint: OutputConstraint, starts_open: bool) -> OutputConstraint:
     """`constraint` applied after the reasoning, which is required when the output starts inside
     it (deepseek_r1, or a prompt that opened it) and optional otherwise (qwen3)."""
     import xgrammar as xgr  # imported on use: it loads in seconds, and only reasoning servers need it
 
     try:
         reasoning = xgr.Grammar.from_ebnf(_reasoning_grammar(starts_open))
-        answer = _as_grammar(xgr, constraint)
+        answer = _as_grammar(xgr, constraint.params)
     except (RuntimeError, ValueError, TypeError) as error:
-        raise bad_request(f"{constraint.param}: the {constraint.kind.value} constraint cannot be compiled: {error}",
-                          constraint.param) from None
-    return StructuredOutputParams(GrammarKind.GRAMMAR, str(xgr.Grammar.concat(reasoning, answer)),
-                                  param=constraint.param)
+        raise bad_request(f"{constraint.param}: the {constraint.params.kind.value} constraint cannot be compiled: "
+                          f"{error}", constraint.param) from None
+    grammar = StructuredOutputParams(GrammarKind.GRAMMAR, str(xgr.Grammar.concat(reasoning, answer)))
+    return OutputConstraint(grammar, constraint.param)
 
 
 def _as_grammar(xgr, constraint: StructuredOutputParams):  # noqa: ANN001, ANN202 (xgrammar is imported lazily)

@@ -1,8 +1,9 @@
 """Turns an OpenAI request's sampling fields into `SamplingParams`, enforcing the server's caps.
 
-Range checks live in `SamplingParams` itself (it raises `SamplingParamsError` naming the field);
-this module adds what only the server knows: the caps in `ServerLimits` and OpenAI's spellings
-(string keys in `logit_bias`, `max_completion_tokens`, `top_logprobs`).
+Range checks live in `SamplingParams` itself (it raises `SamplingParamsError` naming its own
+field); this module adds what only the server knows: the caps in `ServerLimits` and OpenAI's
+spellings (string keys in `logit_bias`, `max_completion_tokens`, `top_logprobs`). The request's
+output constraint is attached by the caller (structured_outputs.py, tool calls, reasoning).
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvserve.engine import SamplingParams, SamplingParamsError
-from kvserve.server.errors import bad_request
+from kvserve.server.errors import bad_request, refused
 from kvserve.server.limits import ServerLimits
 from kvserve.server.protocol import UNSUPPORTED_FIELDS, SamplingFields
-from kvserve.server.structured_outputs import structured_output_params
 
 
 def reject_unsupported_fields(request: SamplingFields) -> None:
@@ -54,18 +54,16 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int | None, lo
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             logit_bias=_logit_bias(request.logit_bias, limits),
             skip_special_tokens=request.skip_special_tokens,
-            structured_output=structured_output_params(request),
         )
     except SamplingParamsError as error:
-        param = logprobs_param if error.param == "logprobs" else error.param
-        raise bad_request(str(error), param) from None
+        raise refused(error, {"logprobs": logprobs_param}) from None
 
 
 def with_max_tokens(params: SamplingParams, max_tokens: int | None) -> SamplingParams:
     try:
         return replace(params, max_tokens=max_tokens)
     except SamplingParamsError as error:  # e.g. min_tokens above what the context leaves after the prompt
-        raise bad_request(f"{error} (the most this prompt leaves room for)", error.param) from None
+        raise bad_request(f"{error} (the most this prompt leaves room for)", error.field) from None
 
 
 def _check_caps(request: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str,

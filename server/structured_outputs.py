@@ -6,18 +6,28 @@ into the engine's one StructuredOutputParams:
     guided_json | guided_regex | guided_choice | guided_grammar                       (vLLM, older)
 
 At most one constraint per request. Whether the engine can compile it is the engine's call
-(a 400 naming the field when it cannot).
+(a 400 naming the field when it cannot): the engine knows the constraint only as the request's
+"structured_output", so the server keeps the field it came from beside it (OutputConstraint).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine import GrammarKind, StructuredOutputParams
 from kvserve.server.errors import bad_request
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """A request's output constraint and the request field it came from (its errors name it)."""
+
+    params: StructuredOutputParams
+    param: str
 
 
 class JsonSchemaFormat(BaseModel):
@@ -54,7 +64,7 @@ class StructuredOutputFields(BaseModel):
     guided_grammar: str | None = None
 
 
-def structured_output_params(request: StructuredOutputFields) -> StructuredOutputParams | None:
+def output_constraint(request: StructuredOutputFields) -> OutputConstraint | None:
     found = [c for c in _candidates(request) if c is not None]
     if len(found) > 1:
         raise bad_request(f"Give at most one structured-output constraint; got {', '.join(c.param for c in found)}.",
@@ -62,7 +72,7 @@ def structured_output_params(request: StructuredOutputFields) -> StructuredOutpu
     return found[0] if found else None
 
 
-def _candidates(request: StructuredOutputFields) -> list[StructuredOutputParams | None]:
+def _candidates(request: StructuredOutputFields) -> list[OutputConstraint | None]:
     return [_from_response_format(request.response_format),
             *_from_structured_outputs(request.structured_outputs),
             _json("guided_json", request.guided_json),
@@ -71,11 +81,11 @@ def _candidates(request: StructuredOutputFields) -> list[StructuredOutputParams 
             _text(GrammarKind.GRAMMAR, "guided_grammar", request.guided_grammar)]
 
 
-def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutputParams | None:
+def _from_response_format(response_format: ResponseFormat | None) -> OutputConstraint | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return StructuredOutputParams(GrammarKind.JSON_OBJECT, param="response_format")
+        return OutputConstraint(StructuredOutputParams(GrammarKind.JSON_OBJECT), "response_format")
     spec = response_format.json_schema
     if spec is None or spec.json_schema is None:
         raise bad_request("response_format of type json_schema needs json_schema.schema.",
@@ -83,18 +93,18 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredO
     return _json("response_format.json_schema.schema", spec.json_schema)
 
 
-def _from_structured_outputs(field: StructuredOutputsField | None) -> list[StructuredOutputParams | None]:
+def _from_structured_outputs(field: StructuredOutputsField | None) -> list[OutputConstraint | None]:
     if field is None:
         return []
     param = "structured_outputs"
-    json_object = StructuredOutputParams(GrammarKind.JSON_OBJECT, param=f"{param}.json_object") \
+    json_object = OutputConstraint(StructuredOutputParams(GrammarKind.JSON_OBJECT), f"{param}.json_object") \
         if field.json_object else None
     return [_json(f"{param}.json", field.json_), _text(GrammarKind.REGEX, f"{param}.regex", field.regex),
             _choice(f"{param}.choice", field.choice), _text(GrammarKind.GRAMMAR, f"{param}.grammar", field.grammar),
             json_object]
 
 
-def _json(param: str, schema: dict[str, Any] | str | None) -> StructuredOutputParams | None:
+def _json(param: str, schema: dict[str, Any] | str | None) -> OutputConstraint | None:
     if schema is None:
         return None
     if isinstance(schema, str):
@@ -105,20 +115,20 @@ def _json(param: str, schema: dict[str, Any] | str | None) -> StructuredOutputPa
         text = schema
     else:
         text = json.dumps(schema)
-    return StructuredOutputParams(GrammarKind.JSON_SCHEMA, text, param=param)
+    return OutputConstraint(StructuredOutputParams(GrammarKind.JSON_SCHEMA, text), param)
 
 
-def _text(kind: GrammarKind, param: str, value: str | None) -> StructuredOutputParams | None:
+def _text(kind: GrammarKind, param: str, value: str | None) -> OutputConstraint | None:
     if value is None:
         return None
     if not value:
         raise bad_request(f"{param} must not be empty.", param)
-    return StructuredOutputParams(kind, value, param=param)
+    return OutputConstraint(StructuredOutputParams(kind, value), param)
 
 
-def _choice(param: str, choices: list[str] | None) -> StructuredOutputParams | None:
+def _choice(param: str, choices: list[str] | None) -> OutputConstraint | None:
     if choices is None:
         return None
     if not choices or not all(choices):
         raise bad_request(f"{param} must be a non-empty list of non-empty strings.", param)
-    return StructuredOutputParams(GrammarKind.CHOICE, json.dumps(choices), param=param)
+    return OutputConstraint(StructuredOutputParams(GrammarKind.CHOICE, json.dumps(choices)), param)

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine import GrammarKind, StructuredOutputParams
 from kvserve.server.errors import bad_request
+from kvserve.server.structured_outputs import OutputConstraint
 from kvserve.server.tool_parsers import OutputParser, named_call_parser, parse_required
 
 AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
@@ -69,7 +70,7 @@ class ToolMode:
     """How this request calls tools: the constraint the engine enforces (None for "auto"), and
     how to read the calls back out of the output."""
 
-    constraint: StructuredOutputParams | None
+    constraint: OutputConstraint | None
     parser: OutputParser
     new_id: Callable[[], str]  # the calls' ids
     parallel_calls: bool  # parallel_tool_calls: false keeps only the first call, as vLLM
@@ -96,14 +97,14 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolCh
             raise bad_request(f"tool_choice names {tool_choice.function.name!r}, which is not among the tools.",
                               "tool_choice")
         schema = json.dumps(_parameters(function))
-        return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, schema, param="tools"),
+        return ToolMode(OutputConstraint(StructuredOutputParams(GrammarKind.JSON_SCHEMA, schema), "tools"),
                         named_call_parser(function.name), new_id, parallel_tool_calls)
     item = {"anyOf": [{"type": "object", "properties": {"name": {"const": f.name}, "parameters": _parameters(f)},
                        "required": ["name", "parameters"], "additionalProperties": False}
                       for f in by_name.values()]}
     array = {"type": "array", "items": item, "minItems": 1, **({} if parallel_tool_calls else {"maxItems": 1})}
-    return ToolMode(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(array), param="tools"), parse_required,
-                    new_id, parallel_tool_calls)
+    constraint = OutputConstraint(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(array)), "tools")
+    return ToolMode(constraint, parse_required, new_id, parallel_tool_calls)
 
 
 def _parameters(function: FunctionDefinition) -> dict[str, Any]:

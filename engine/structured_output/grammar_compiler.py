@@ -25,7 +25,10 @@ _CACHE_SIZE = 64
 
 
 class StructuredOutputError(AdmissionError):
-    """A constraint the grammar engine cannot compile; `param` names the request field."""
+    """A constraint the grammar engine cannot compile (its field: "structured_output")."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "structured_output")
 
 
 class GrammarCompiler:
@@ -68,8 +71,7 @@ class GrammarCompiler:
         try:
             compiled = self._compile(self._grammar_compiler(), params)
         except (RuntimeError, ValueError, TypeError) as error:  # xgrammar reports bad specs so
-            raise StructuredOutputError(f"{params.param}: the {params.kind.value} constraint cannot be "
-                                        f"compiled: {error}", params.param) from None
+            raise StructuredOutputError(f"the {params.kind.value} constraint cannot be compiled: {error}") from None
         self._cache[key] = compiled
         if len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)

@@ -1,4 +1,5 @@
-"""The engine's one admission check: every refusal is an AdmissionError naming the parameter."""
+"""The engine's one admission check: every refusal is an AdmissionError naming the engine's field at fault
+(never an API's spelling or error code: those are the server's)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_a_request_that_fits_is_admitted() -> None:
 
 
 def test_empty_prompt() -> None:
-    assert refusal(FCFS, []).param == "prompt"
+    assert refusal(FCFS, []).field == "prompt"
 
 
 @pytest.mark.parametrize(("num_prompt", "max_tokens", "param"), [(16, None, "prompt"), (20, 1, "prompt"),
@@ -31,8 +32,12 @@ def test_empty_prompt() -> None:
 def test_context_length_names_what_to_change(num_prompt: int, max_tokens: int | None, param: str) -> None:
     error = refusal(FCFS, [1] * num_prompt, SamplingParams(max_tokens=max_tokens))
     assert isinstance(error, PromptTooLongError)
-    assert (error.param, error.code, error.max_model_len) == (param, "context_length_exceeded", 16)
+    assert (error.field, error.max_model_len) == (param, 16)
     assert "maximum context length is 16 tokens" in str(error)
+    if param == "max_tokens":  # the server names the budget as its API does
+        assert str(error).endswith("reduce the prompt or max_tokens.")
+        assert error.describe("max_output_tokens").endswith("reduce the prompt or max_output_tokens.")
+    assert not hasattr(error, "code")
 
 
 @pytest.mark.parametrize(("prompt", "params", "param"), [
@@ -44,16 +49,16 @@ def test_context_length_names_what_to_change(num_prompt: int, max_tokens: int | 
 def test_token_ids_must_be_rows_of_the_models_vocabulary(prompt: list[int], params: SamplingParams,
                                                          param: str) -> None:
     error = refusal(FCFS, prompt, params)
-    assert error.param == param and "outside the vocabulary [0, 100)" in str(error)
+    assert error.field == param and "outside the vocabulary [0, 100)" in str(error)
 
 
 def test_priority_needs_priority_scheduling() -> None:
-    assert refusal(FCFS, [1], priority=3).param == "priority"
+    assert refusal(FCFS, [1], priority=3).field == "priority"
     FCFS.check([1], SamplingParams(max_tokens=1), priority=0)
     AdmissionCheck(SchedulerConfig(max_model_len=16, policy="priority"), 100).check([1], SamplingParams(max_tokens=1), priority=-5)
 
 
 def test_cache_salt_must_not_be_empty() -> None:
-    assert refusal(FCFS, [1], cache_salt="").param == "cache_salt"
-    assert refusal(FCFS, [1], cache_salt="tenant-\ud800").param == "cache_salt"  # the step would fail hashing it
+    assert refusal(FCFS, [1], cache_salt="").field == "cache_salt"
+    assert refusal(FCFS, [1], cache_salt="tenant-\ud800").field == "cache_salt"  # the step would fail hashing it
     FCFS.check([1], SamplingParams(max_tokens=1), cache_salt="tenant-a")

@@ -139,5 +139,5 @@ def test_a_refused_request_raises_from_generate_and_leaves_nothing_behind(run):
     engine = run(scripted)
     with pytest.raises(AdmissionError, match="empty") as refused:
         asyncio.run(collect(engine, "r", prompt=""))  # "" tokenizes to no tokens
-    assert refused.value.param == "prompt"
+    assert refused.value.field == "prompt"
     assert scripted.requests == {} and engine.num_unfinished_requests == 0

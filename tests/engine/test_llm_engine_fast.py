@@ -244,7 +244,7 @@ def test_add_request_runs_the_admission_check_and_keeps_nothing_it_refuses() -> 
     assert engine.max_model_len == engine.scheduler.config.max_model_len == 256
     with pytest.raises(AdmissionError) as refused:
         engine.add_request("r", [1, VOCAB], SamplingParams(max_tokens=1))
-    assert refused.value.param == "prompt"
+    assert refused.value.field == "prompt"
     with pytest.raises(AdmissionError, match="maximum context length is 256"):
         engine.add_request("r", "x" * 250, SamplingParams(max_tokens=10))
     assert not engine.has_unfinished_requests() and engine.num_unfinished_requests == 0

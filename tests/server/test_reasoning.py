@@ -16,6 +16,7 @@ from kvserve.server.app import build_app
 from kvserve.server.reasoning import REASONING_PARSERS, ReasoningSplitter, split_reasoning
 from kvserve.server.reasoning_grammar import after_reasoning
 from kvserve.server.settings import ServerSettings
+from kvserve.server.structured_outputs import OutputConstraint
 from tests.server.scripted_engine import ScriptedEngine
 from tests.server.sse import parse_sse
 
@@ -56,8 +57,8 @@ def test_qwen3_opens_from_the_prompt_and_deepseek_r1_always():
     assert r1.starts_open("<|im_start|>assistant\n")
 
 
-SCHEMA = StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(
-    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}), param="response_format")
+SCHEMA = OutputConstraint(StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})), "response_format")
 
 
 @pytest.mark.parametrize(("starts_open", "text", "accepted"), [
@@ -72,28 +73,28 @@ SCHEMA = StructuredOutputParams(GrammarKind.JSON_SCHEMA, json.dumps(
 ])
 def test_the_grammar_lets_the_model_think_then_holds_the_answer(starts_open, text, accepted):
     constraint = after_reasoning(SCHEMA, starts_open)
-    assert constraint.kind is GrammarKind.GRAMMAR and constraint.param == "response_format"
-    assert xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(constraint.spec), text) is accepted
+    assert constraint.params.kind is GrammarKind.GRAMMAR and constraint.param == "response_format"
+    assert xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(constraint.params.spec), text) is accepted
 
 
 @pytest.mark.parametrize("constraint", [
-    StructuredOutputParams(GrammarKind.JSON_OBJECT, param="response_format"),
-    StructuredOutputParams(GrammarKind.REGEX, "[0-9]+", param="guided_regex"),
-    StructuredOutputParams(GrammarKind.CHOICE, '["yes", "no"]', param="guided_choice"),
-    StructuredOutputParams(GrammarKind.GRAMMAR, 'root ::= "ok"', param="guided_grammar"),
+    OutputConstraint(StructuredOutputParams(GrammarKind.JSON_OBJECT), "response_format"),
+    OutputConstraint(StructuredOutputParams(GrammarKind.REGEX, "[0-9]+"), "guided_regex"),
+    OutputConstraint(StructuredOutputParams(GrammarKind.CHOICE, '["yes", "no"]'), "guided_choice"),
+    OutputConstraint(StructuredOutputParams(GrammarKind.GRAMMAR, 'root ::= "ok"'), "guided_grammar"),
 ])
 def test_every_constraint_kind_applies_after_the_reasoning(constraint):
-    grammar = xgr.Grammar.from_ebnf(after_reasoning(constraint, starts_open=True).spec)
+    grammar = xgr.Grammar.from_ebnf(after_reasoning(constraint, starts_open=True).params.spec)
     answers = {GrammarKind.JSON_OBJECT: '{"k": 1}', GrammarKind.REGEX: "42", GrammarKind.CHOICE: "no",
                GrammarKind.GRAMMAR: "ok"}
-    assert xgr.testing._is_grammar_accept_string(grammar, f"thinking</think>{answers[constraint.kind]}")
+    assert xgr.testing._is_grammar_accept_string(grammar, f"thinking</think>{answers[constraint.params.kind]}")
 
 
 def test_a_bad_constraint_is_a_400_naming_its_field():
     from kvserve.server.errors import APIError
 
     with pytest.raises(APIError) as raised:
-        after_reasoning(StructuredOutputParams(GrammarKind.REGEX, "([", param="guided_regex"), starts_open=True)
+        after_reasoning(OutputConstraint(StructuredOutputParams(GrammarKind.REGEX, "(["), "guided_regex"), starts_open=True)
     assert raised.value.status == 400 and raised.value.param == "guided_regex"
 
 
