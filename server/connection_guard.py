@@ -7,6 +7,8 @@ the process's file descriptors (slowloris: open many connections, send headers s
   that many seconds of connecting, or of its first byte after an idle keep-alive pause; otherwise
   it is answered 408 (if it had sent part of a request) and closed. uvicorn has no such timer:
   its keep-alive timeout covers only silence between requests.
+- A cap on a request's header bytes (`MAX_HEADER_BYTES`): beyond it, 431 and the connection is
+  closed (the parser would otherwise hold every header line sent).
 
 Both live in a subclass of the HTTP protocol uvicorn would use (httptools, else h11), made by
 `guarded_protocol`. They rely on what both implementations keep: `connections` (the server's
@@ -27,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 REFUSED_LIMIT = "connection_limit"
 REFUSED_HEADER_TIMEOUT = "header_timeout"
+REFUSED_HEADERS_TOO_LARGE = "headers_too_large"
+# A request's line and headers at most (nginx's large_client_header_buffers is 4 x 8 KiB): the
+# HTTP parser keeps whatever headers arrive, so without a cap one connection could send
+# gigabytes of them within the header timeout.
+MAX_HEADER_BYTES = 64 * 1024
 # Descriptors the process needs besides its connections: the model's files, logs, the
 # tensor-parallel workers' sockets, the event loop's own.
 RESERVED_DESCRIPTORS = 128
@@ -36,6 +43,8 @@ _SERVICE_UNAVAILABLE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: appl
 _BUSY_BODY = (b'{"error": {"message": "The server has reached its limit of open connections '
               b'(--max-connections); retry shortly.", "type": "server_error", "param": null, '
               b'"code": "too_many_connections"}}')
+_HEADERS_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
+                      b"content-length: 0\r\n\r\n")
 _REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
 
 
@@ -59,6 +68,7 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits,
         _header_timer: asyncio.TimerHandle | None = None
         _awaited: Any = None  # the `cycle` that was current when the timer was armed
         _request_begun = False  # some bytes of the awaited request have arrived
+        _header_bytes = 0  # bytes received while the awaited request's headers are unfinished
         _refused = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -82,9 +92,18 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits,
             if self._header_timer is not None:
                 if self.cycle is not self._awaited:  # the request's headers are complete
                     self._cancel_header_timer()
+                    return
             elif between_requests and self.cycle is before and not self.transport.is_closing():
                 self._arm_header_timer()  # after a keep-alive pause, a request begun but unfinished
                 self._request_begun = True
+            else:
+                return
+            self._header_bytes += len(data)  # still in the headers: the parser keeps them all
+            if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+                self._cancel_header_timer()
+                self.transport.write(_HEADERS_TOO_LARGE)
+                self.transport.close()
+                _notify_refused(listener, REFUSED_HEADERS_TOO_LARGE)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
@@ -95,6 +114,7 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits,
         def _arm_header_timer(self) -> None:
             self._awaited = self.cycle
             self._request_begun = False
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_too_slow)
 
         def _cancel_header_timer(self) -> None:
@@ -104,7 +124,8 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits,
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
-            if self.cycle is not self._awaited or self.transport.is_closing():
+            if self.cycle is not self._awaited or self.transport.is_closing() \
+                    or self.transport.get_protocol() is not self:  # upgraded (WebSocket): not ours now
                 return
             if self._request_begun:  # a connection that never sent a byte is just closed
                 self.transport.write(_REQUEST_TIMEOUT)

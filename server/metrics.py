@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvserve.engine import FinishReason
 from kvserve.engine.stats import EngineLoad, FinishedRequestStats, StepStats
-from kvserve.server.connection_guard import REFUSED_HEADER_TIMEOUT, REFUSED_LIMIT
+from kvserve.server.connection_guard import REFUSED_HEADER_TIMEOUT, REFUSED_HEADERS_TOO_LARGE, REFUSED_LIMIT
 
 # Buckets span a slow CPU deployment (a 135M model decodes at ~30 ms/token and a long prompt can
 # queue for minutes) and a fast GPU one (single-millisecond steps), so both see useful quantiles.
@@ -137,9 +137,9 @@ class ServerMetrics:
         self._errors = Counter("kvserve_request_errors", "Requests answered with an error, by HTTP status code.", ["model_name", "code"], registry=self.registry)
         self._http_requests = Counter("kvserve_http_requests", "HTTP requests by route template, method and status.", labels, registry=self.registry)
         self._http_duration = Histogram("kvserve_http_request_duration_seconds", "HTTP request latency (until the last byte for streams) by route, method and status.", labels, registry=self.registry, buckets=HTTP_DURATION_BUCKETS_S)
-        refused = Counter("kvserve_http_connections_refused", "HTTP connections closed unserved: over --max-connections (connection_limit) or headers not complete within --header-timeout (header_timeout).", ["model_name", "reason"], registry=self.registry)
+        refused = Counter("kvserve_http_connections_refused", "HTTP connections closed unserved: over --max-connections (connection_limit) headers not complete within --header-timeout (header_timeout), or headers over 64 KiB (headers_too_large).", ["model_name", "reason"], registry=self.registry)
         self._connections_refused = {reason: refused.labels(self.model_name, reason)
-                                     for reason in (REFUSED_LIMIT, REFUSED_HEADER_TIMEOUT)}
+                                     for reason in (REFUSED_LIMIT, REFUSED_HEADER_TIMEOUT, REFUSED_HEADERS_TOO_LARGE)}
         self._open_connections = Gauge("kvserve_http_open_connections", "Open HTTP connections (see --max-connections).", ["model_name"], registry=self.registry).labels(self.model_name)
 
     # --- StatsListener -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.server.app import build_app
+from kvserve.server.connection_guard import MAX_HEADER_BYTES
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serve import uvicorn_config
 from kvserve.server.settings import ServerSettings
@@ -79,7 +80,7 @@ def test_headers_not_sent_in_time_close_the_connection(sent: bytes) -> None:
         assert answer == (b"" if not sent else answer)
         if sent:
             assert answer.startswith(b"HTTP/1.1 408")
-        assert refused(url) == {"connection_limit": 0, "header_timeout": 1}
+        assert refused(url) == {"connection_limit": 0, "header_timeout": 1, "headers_too_large": 0}
         assert httpx.get(f"{url}/health").status_code == 200
 
 
@@ -91,6 +92,31 @@ def test_a_keep_alive_connection_that_stalls_inside_its_next_request_is_closed()
             sock.sendall(b"GET /health HTTP/1.1\r\nHos")  # the second request stops mid-header
             assert read_until_closed(sock).startswith(b"HTTP/1.1 408")
         assert refused(url)["header_timeout"] == 1
+
+
+@pytest.mark.parametrize("first_request", [False, True], ids=["first request", "after a keep-alive response"])
+def test_headers_beyond_the_cap_get_431_and_a_close(first_request: bool) -> None:
+    with guarded_server(max_connections=64) as (url, address):
+        with socket.create_connection(address) as sock:
+            if first_request:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_response(sock).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            line = b"X-Pad: " + b"a" * 1000 + b"\r\n"
+            try:  # the server closes mid-way: what it read so far is its whole memory cost
+                for _ in range(MAX_HEADER_BYTES // len(line) * 4):
+                    sock.sendall(line)
+            except OSError:
+                pass
+            try:
+                answer = read_until_closed(sock)
+            except ConnectionResetError:  # closed while our bytes were unread: the kernel resets
+                answer = b""
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:100]
+        assert refused(url)["headers_too_large"] == 1
+        # Headers within the cap are served.
+        padded = httpx.get(f"{url}/health", headers={"X-Pad": "a" * (MAX_HEADER_BYTES // 2)})
+        assert padded.status_code == 200
 
 
 def test_a_slow_but_timely_request_is_served() -> None:
@@ -136,4 +162,4 @@ def test_slowloris_half_open_connections_are_refused_over_the_cap_then_timed_out
             time.sleep(0.05)
         assert response.status_code == 200
         counts = refused(url)
-        assert counts == {"connection_limit": 34, "header_timeout": cap}, counts
+        assert counts == {"connection_limit": 34, "header_timeout": cap, "headers_too_large": 0}, counts
