@@ -13,6 +13,7 @@ import torch
 
 from kvserve.engine.compilation import compile_at_start_up
 from kvserve.engine.config import ConfigError, EngineConfig
+from kvserve.engine.cpu_caches import limit_cpu_caches
 from kvserve.engine.cpu_threads import apply_cpu_threads
 from kvserve.engine.device import resolve_device, resolve_dtype
 from kvserve.engine.kv_memory import default_kv_cache_bytes
@@ -41,6 +42,7 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    limit_cpu_caches()  # before any matmul: oneDNN and ideep read their caps once
     threads = apply_cpu_threads(config.cpu_threads)
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
