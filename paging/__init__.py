@@ -20,6 +20,7 @@ from kvserve.paging.kv_cache_spec import (
     KVCacheGroupSpec,
     KVCacheSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
     group_layers,
     plan_kv_cache_config,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "NoFreeBlocksError",
     "PagingError",
     "PrefixCache",
+    "SlidingWindowSpec",
     "UnknownRequestError",
     "group_layers",
     "plan_kv_cache_config",

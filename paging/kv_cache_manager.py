@@ -13,7 +13,8 @@ A model whose layers keep different caches has several layer groups (paging/kv_c
 the request keeps one block table per group, every group draws from one allocator, and each
 group's kind of layer has its own small manager (paging/single_type_manager.py). Block ids go
 per group, in group order: `get_computed_blocks` and `allocate_slots` speak tuples with one
-entry per group.
+entry per group. A sliding-window group's tables (and its prefix hits) hold None for the blocks
+that lie wholly outside its window: given back to the pool, or never needed.
 """
 
 from __future__ import annotations
@@ -24,16 +25,23 @@ from dataclasses import dataclass
 from kvserve.paging.block_allocator import BlockAllocator
 from kvserve.paging.block_table import BlockTable
 from kvserve.paging.errors import PagingError, UnknownRequestError
-from kvserve.paging.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec, check_max_model_len_fits
+from kvserve.paging.kv_cache_spec import (
+    FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec, check_max_model_len_fits,
+)
 from kvserve.paging.prefix_cache import BlockHash, root_hash
-from kvserve.paging.single_type_manager import FullAttentionManager
+from kvserve.paging.single_type_manager import FullAttentionManager, SlidingWindowManager
 
-# Per group: block ids (new ones appended to a table, or a prefix hit's).
-GroupBlockIds = tuple[tuple[int, ...], ...]
+# Per group: block ids (new ones appended to a table, a whole table, or a prefix hit's); None in
+# a window group's table or hit: a block outside its window (paging/block_table.py).
+GroupBlockIds = tuple[tuple[int | None, ...], ...]
 # allocate_slots' answer when no table gained a block (15 decode steps in 16).
 NO_NEW_BLOCKS: GroupBlockIds = ()
 # A latent (MLA) layer reads every earlier token's latent, as full attention reads its K/V.
-MANAGER_OF_KIND = {FullAttentionSpec: FullAttentionManager, MLAAttentionSpec: FullAttentionManager}
+MANAGER_OF_KIND: dict[type, type[FullAttentionManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    MLAAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+}
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,10 @@ class KVCacheManager:
         self._allocator = BlockAllocator(num_blocks, block_size, on_evict=self._forget_evicted)
         specs = list(group_specs) if group_specs is not None else [FullAttentionSpec(1, 1, "any", 1)]
         self._group_specs = specs
-        self._groups = [MANAGER_OF_KIND[type(spec)](self._allocator, block_size) for spec in specs]
+        self._groups = [MANAGER_OF_KIND[type(spec)].from_spec(spec, self._allocator, block_size) for spec in specs]
+        # The groups that give blocks back while a request runs (sliding windows): every
+        # allocate_slots call lets them, before it plans.
+        self._giving_back = [index for index, group in enumerate(self._groups) if group.gives_back_blocks]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -101,23 +112,30 @@ class KVCacheManager:
         """Blocks an allocation can take: free plus evictable cached."""
         return self._allocator.num_available
 
-    def check_max_model_len_fits(self, max_model_len: int) -> None:
+    def check_max_model_len_fits(self, max_model_len: int, max_step_tokens: int | None = None) -> None:
         """Raises KVCacheTooSmallError when one request of max_model_len tokens could not hold
-        its blocks in every group at once."""
-        check_max_model_len_fits(self._group_specs, max_model_len, self.num_blocks, self.block_size)
+        its blocks in every group at once, in steps of at most `max_step_tokens` tokens."""
+        check_max_model_len_fits(self._group_specs, max_model_len, self.num_blocks, self.block_size, max_step_tokens)
 
     def get_computed_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> tuple[GroupBlockIds, int]:
-        """Longest cached prefix of full blocks that every group holds, verified against stored
-        token ids, capped so at least one token remains to compute (its logits are needed to
-        sample). Takes no references. Returns (block ids per group, number of tokens they hold)."""
+        """Longest cached prefix of full blocks that every group can serve, verified against
+        stored token ids, capped so at least one token remains to compute (its logits are needed
+        to sample). Takes no references. Returns (block ids per group, number of tokens they
+        hold); a window group's hit holds None for the blocks before its window."""
         if not self.enable_prefix_caching:
             return tuple(() for _ in self._groups), 0
         max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
         root, hashes = root_hash(cache_salt), []
-        hits: list[list[int]] = []
-        for group in self._groups:  # each group looks no further than the ones before it found
-            hits.append(group.find_longest_cache_hit(token_ids, hashes, root, max_blocks))
-            max_blocks = min(max_blocks, len(hits[-1]))
+        while True:
+            # Each group looks no further than the ones before it found. A full-attention hit
+            # stays valid when cut shorter, a window hit does not (it needs the blocks right
+            # before its end): when a later group finds less, the others look again from there.
+            hits: list[list[int | None]] = []
+            for group in self._groups:
+                hits.append(group.find_longest_cache_hit(token_ids, hashes, root, max_blocks))
+                max_blocks = min(max_blocks, len(hits[-1]))
+            if all(len(blocks) == max_blocks for blocks in hits):
+                break
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += max_blocks * self.block_size
         return tuple(tuple(blocks[:max_blocks]) for blocks in hits), max_blocks * self.block_size
@@ -145,6 +163,8 @@ class KVCacheManager:
                                         new_computed_blocks, cache_salt)
         # The per-step path (every running request, every step): the request holds blocks and
         # only grows. Kept free of anything a decode step does not need.
+        for index in self._giving_back:  # blocks no query from num_computed_tokens on reads
+            self._groups[index].remove_skipped_blocks(state.tables[index], num_computed_tokens)
         size = self.block_size
         end = num_computed_tokens + num_new_tokens
         first = num_computed_tokens // size
@@ -199,7 +219,8 @@ class KVCacheManager:
         end = num_computed_tokens + num_new_tokens
         num_hit = len(hits[0])
         num_missing = len(self._groups) * max(0, -(-end // size) - num_hit)
-        num_revived = sum(1 for blocks in hits for block_id in blocks if self._allocator.is_cached_free(block_id))
+        num_revived = sum(1 for blocks in hits for block_id in blocks
+                          if block_id is not None and self._allocator.is_cached_free(block_id))
         if num_missing > self._allocator.num_available - num_revived:
             return None
 
@@ -207,7 +228,8 @@ class KVCacheManager:
         self._requests[request_id] = state
         for table, blocks in zip(state.tables, hits):
             for block_id in blocks:
-                self._allocator.incref(block_id)
+                if block_id is not None:
+                    self._allocator.incref(block_id)
                 table.append_block(block_id)
             table.append_tokens(num_hit * size)
         plans = [group.plan_growth(table, num_computed_tokens, end) for group, table in zip(self._groups, state.tables)]
@@ -256,6 +278,8 @@ class KVCacheManager:
         self._groups[0].prefix_cache.extend_hashes(hashes, token_ids, root, num_hit)
         for group, blocks in zip(self._groups, new_computed_blocks):
             for block_id, expected in zip(blocks, hashes):
+                if block_id is None:  # a block the group does not need (before a window)
+                    continue
                 if not group.prefix_cache.is_cached(block_id) or group.prefix_cache.hash_of(block_id) != expected:
                     raise PagingError(
                         f"block {block_id} no longer holds this request's prefix (evicted since get_computed_blocks): "
@@ -277,7 +301,7 @@ class KVCacheManager:
                 group.prefix_cache.forget(block_id)
                 return
 
-    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+    def block_ids(self, request_id: str, group: int = 0) -> list[int | None]:
         """One of the request's block tables (empty for a request holding no blocks)."""
         state = self._requests.get(request_id)
         return state.tables[group].block_ids if state is not None else []

@@ -64,8 +64,9 @@ class FullAttentionSpec:
         half = self.page_bytes(block_size) // 2
         return half, half
 
-    def max_num_blocks(self, num_tokens: int, block_size: int) -> int:
-        """Blocks a request of `num_tokens` tokens holds at once in a group of this kind."""
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int | None = None) -> int:
+        """Blocks a request of `num_tokens` tokens holds at once in a group of this kind, when a
+        step computes at most `max_step_tokens` of them (None: any number)."""
         return -(-num_tokens // block_size)
 
 
@@ -105,12 +106,38 @@ class MLAAttentionSpec:
         """One part: the latents (keys and values are both read out of it)."""
         return (self.page_bytes(block_size),)
 
-    def max_num_blocks(self, num_tokens: int, block_size: int) -> int:
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int | None = None) -> int:
         return -(-num_tokens // block_size)
 
 
-# The kinds a layer can declare (sliding-window specs join this union).
-KVCacheSpec = FullAttentionSpec | MLAAttentionSpec
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A layer that attends to the last `sliding_window` positions, its own included (query p
+    reads keys p - w + 1 .. p, as transformers' sliding-window mask and Mistral's
+    `sliding_window` mean it). Its group gives back blocks that fell wholly out of the window
+    while the request runs (paging/single_type_manager.py: SlidingWindowManager)."""
+
+    sliding_window: int
+
+    kind = "sliding window"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window < 1:
+            raise ValueError(f"SlidingWindowSpec.sliding_window must be at least 1, got {self.sliding_window}")
+
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int | None = None) -> int:
+        """A step computing n tokens at positions c .. c+n-1 reads from c - w + 1 on: a span of
+        w + n - 1 positions, which touches at most ceil((w + n - 2) / block_size) + 1 blocks
+        (ceil((w - 1) / 16) + 1 for a decode), and never more than the whole request's."""
+        step = num_tokens if max_step_tokens is None else max(1, min(max_step_tokens, num_tokens))
+        window = -(-(self.sliding_window + step - 2) // block_size) + 1
+        return min(-(-num_tokens // block_size), window)
+
+
+# The kinds a layer can declare.
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec
 
 
 @dataclass(frozen=True)
@@ -191,8 +218,9 @@ class KVCacheConfig:
                 where[layer] = (group_index, slot)
         return [where[layer] for layer in range(self.num_layers)]
 
-    def check_max_model_len_fits(self, max_model_len: int) -> None:
-        check_max_model_len_fits([group.spec for group in self.groups], max_model_len, self.num_blocks, self.block_size)
+    def check_max_model_len_fits(self, max_model_len: int, max_step_tokens: int | None = None) -> None:
+        check_max_model_len_fits([group.spec for group in self.groups], max_model_len, self.num_blocks, self.block_size,
+                                 max_step_tokens)
 
 
 def num_planes(groups: Sequence[KVCacheGroupSpec], block_size: int) -> int:
@@ -212,23 +240,26 @@ def bytes_per_block(groups: Sequence[KVCacheGroupSpec], block_size: int) -> int:
     return max(len(g.layer_indices) for g in groups) * planes * plane_bytes(groups, block_size)
 
 
-def blocks_per_request(group_specs: Sequence[KVCacheSpec], num_tokens: int, block_size: int) -> int:
-    """Blocks one request of `num_tokens` tokens holds at once, over its tables (one per group)."""
-    return sum(spec.max_num_blocks(num_tokens, block_size) for spec in group_specs)
+def blocks_per_request(group_specs: Sequence[KVCacheSpec], num_tokens: int, block_size: int,
+                       max_step_tokens: int | None = None) -> int:
+    """Blocks one request of `num_tokens` tokens holds at once, over its tables (one per group):
+    all of them in full-attention groups, a window's worth (plus one step's) in window groups."""
+    return sum(spec.max_num_blocks(num_tokens, block_size, max_step_tokens) for spec in group_specs)
 
 
 def check_max_model_len_fits(group_specs: Sequence[KVCacheSpec], max_model_len: int, num_blocks: int,
-                             block_size: int) -> None:
+                             block_size: int, max_step_tokens: int | None = None) -> None:
     """Start-up check: raises KVCacheTooSmallError (naming the largest max_model_len that fits)
-    when one request of max_model_len tokens cannot get its blocks in every group at once. One
-    such request fitting alone is what keeps the scheduler from stalling: the oldest running
-    request can always get its blocks by preempting the others."""
-    if blocks_per_request(group_specs, max_model_len, block_size) <= num_blocks:
+    when one request of max_model_len tokens cannot get its blocks in every group at once, with
+    steps of at most `max_step_tokens` tokens (the scheduler's budget; None: the whole request in
+    one step). One such request fitting alone is what keeps the scheduler from stalling: the
+    oldest running request can always get its blocks by preempting the others."""
+    if blocks_per_request(group_specs, max_model_len, block_size, max_step_tokens) <= num_blocks:
         return
     low, high = 0, max_model_len  # the longest length that fits: blocks grow with length, bisect
     while low < high:
         middle = (low + high + 1) // 2
-        if blocks_per_request(group_specs, middle, block_size) <= num_blocks:
+        if blocks_per_request(group_specs, middle, block_size, max_step_tokens) <= num_blocks:
             low = middle
         else:
             high = middle - 1
@@ -263,10 +294,12 @@ def plan_kv_cache_config(
     *,
     num_kv_blocks: int | None = None,
     kv_cache_memory: int | None = None,
+    max_step_tokens: int | None = None,
 ) -> KVCacheConfig:
     """The engine's start-up sizing: an explicit block count wins, else the memory budget
     (--kv-cache-memory, or the engine's default share of what the weights left) buys whole
-    blocks. Fails with KVCacheTooSmallError when one max_model_len request would not fit."""
+    blocks. Fails with KVCacheTooSmallError when one max_model_len request would not fit (a
+    window group counts what it holds at once: a window plus one step of `max_step_tokens`)."""
     if num_kv_blocks is None and kv_cache_memory is None:
         raise ValueError("give the KV cache a size: num_kv_blocks (--num-kv-blocks) or kv_cache_memory (--kv-cache-memory)")
     validate_block_size(block_size)
@@ -275,5 +308,5 @@ def plan_kv_cache_config(
         if kv_cache_memory < 0:
             raise ValueError(f"memory must be >= 0 bytes, got {kv_cache_memory}")
         num_kv_blocks = kv_cache_memory // bytes_per_block(groups, block_size)
-    check_max_model_len_fits([group.spec for group in groups], max_model_len, num_kv_blocks, block_size)
+    check_max_model_len_fits([group.spec for group in groups], max_model_len, num_kv_blocks, block_size, max_step_tokens)
     return KVCacheConfig(num_kv_blocks, block_size, groups)

@@ -75,17 +75,27 @@ class PrefixCache:
         """Block ids of the longest cached, verified prefix of at most `max_blocks` full blocks.
         `hashes` holds the chained keys computed so far for these tokens (start with []): the
         lookup extends it as it walks, so several layer groups hash a prompt once."""
-        size = self.block_size
         found: list[int] = []
         for index in range(max_blocks):
             if index == len(hashes):
                 self.extend_hashes(hashes, token_ids, root, index + 1)
-            parent = hashes[index - 1] if index else root
-            entry = self._by_hash.get(hashes[index])
-            if entry is None or entry.parent_hash != parent or entry.token_ids != tuple(token_ids[index * size:(index + 1) * size]):
+            block_id = self.cached_block(index, token_ids, hashes, root)
+            if block_id is None:
                 break
-            found.append(entry.block_id)
+            found.append(block_id)
         return found
+
+    def cached_block(self, index: int, token_ids: Sequence[int], hashes: list[BlockHash], root: BlockHash) -> int | None:
+        """The verified cached block holding full block `index` of these tokens, or None.
+        `hashes` must already hold its key (extend_hashes). The key chains the whole prefix, so
+        a hit here means the same prefix, whether or not its earlier blocks are still cached
+        (a sliding-window group looks up only its window's blocks)."""
+        size = self.block_size
+        entry = self._by_hash.get(hashes[index])
+        parent = hashes[index - 1] if index else root
+        if entry is None or entry.parent_hash != parent or entry.token_ids != tuple(token_ids[index * size:(index + 1) * size]):
+            return None
+        return entry.block_id
 
     def register(self, block_id: int, block_hash: BlockHash, parent_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         """Make a full block findable. False (and nothing changes) when the block is already

@@ -6,7 +6,13 @@ small class per kind: which cached blocks a prefix hit needs, and which blocks a
 back while it runs.
 
 The KVCacheManager plans an allocation for all groups first and then carries it out, so a
-request either gets its blocks in every group or changes nothing.
+request either gets its blocks in every group or changes nothing (but for the blocks a window
+group gives back, which the request can never read again).
+
+    kind                 a prefix hit of h blocks needs      blocks given back while running
+    full attention       blocks 0 .. h-1                     none
+    sliding window (w)   the last ceil((w-1)/B) of them      those wholly before the window of
+                                                             the step's first query (-> None)
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 
 from kvserve.paging.block_allocator import BlockAllocator
 from kvserve.paging.block_table import BlockTable
+from kvserve.paging.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 from kvserve.paging.prefix_cache import BlockHash, PrefixCache
 
 
@@ -36,6 +43,8 @@ class FullAttentionManager:
     """Full attention reads every earlier token: a hit needs every block of the prefix, and no
     block is given back before the request ends. Other kinds subclass it and change just that."""
 
+    gives_back_blocks = False  # whether remove_skipped_blocks can free anything
+
     def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
@@ -43,10 +52,18 @@ class FullAttentionManager:
         # Copy-on-write pairs (source, destination) queued for the runner.
         self.blocks_to_copy: list[tuple[int, int]] = []
 
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, allocator: BlockAllocator, block_size: int) -> FullAttentionManager:
+        return cls(allocator, block_size)
+
     def find_longest_cache_hit(self, token_ids: Sequence[int], hashes: list[BlockHash], root: BlockHash,
-                               max_blocks: int) -> list[int]:
-        """Block ids of the longest verified cached prefix of at most `max_blocks` full blocks."""
-        return self.prefix_cache.lookup(token_ids, hashes, root, max_blocks)
+                               max_blocks: int) -> list[int | None]:
+        """Block ids of the longest verified cached prefix of at most `max_blocks` full blocks
+        (None for a block the kind does not need)."""
+        return list(self.prefix_cache.lookup(token_ids, hashes, root, max_blocks))
+
+    def remove_skipped_blocks(self, table: BlockTable, num_computed_tokens: int) -> None:
+        """Give back the blocks no query from `num_computed_tokens` on can read: none here."""
 
     def plan_growth(self, table: BlockTable, num_computed_tokens: int, end: int) -> GrowthPlan:
         """Copy-on-write: blocks the step writes into that another request also holds, or that
@@ -84,14 +101,18 @@ class FullAttentionManager:
         """Offer the table's blocks first .. num_full-1, which just became full, to the prefix cache."""
         size = self.block_size
         for index in range(first, num_full):
+            block_id = table[index]
+            if block_id is None:  # given back (a window group): its tokens were registered when it filled
+                continue
             parent = hashes[index - 1] if index else root
-            self.prefix_cache.register(table[index], hashes[index], parent, token_ids[index * size:(index + 1) * size])
+            self.prefix_cache.register(block_id, hashes[index], parent, token_ids[index * size:(index + 1) * size])
 
     def free(self, table: BlockTable) -> None:
         # Last block first: released blocks join the LRU in this order, so a finished request's
         # tail (the part least likely to be shared) is evicted before its prefix.
         for block_id in reversed(table.block_ids):
-            self.allocator.release(block_id, keep_cached=self.prefix_cache.is_cached(block_id))
+            if block_id is not None:
+                self.allocator.release(block_id, keep_cached=self.prefix_cache.is_cached(block_id))
         if self.blocks_to_copy:
             self.blocks_to_copy = [(src, dst) for src, dst in self.blocks_to_copy if self.allocator.refcount(dst) > 0]
 
@@ -99,6 +120,75 @@ class FullAttentionManager:
         """A table sharing (by reference) `table`'s blocks that cover its first num_tokens positions."""
         shared = table.block_ids[: -(-num_tokens // self.block_size)]
         for block_id in shared:
-            self.allocator.incref(block_id)
+            if block_id is not None:
+                self.allocator.incref(block_id)
         return BlockTable(self.block_size, shared, num_tokens)
+
+
+class SlidingWindowManager(FullAttentionManager):
+    """A window of w positions (query p reads keys p - w + 1 .. p; paging/kv_cache_spec.py's
+    SlidingWindowSpec), vLLM v1's SlidingWindowManager:
+
+        positions    0 ....... 15 | 16 ...... 31 | 32 ...... 47 | 48 .. 52     w = 20, next query at 52
+        window                               |<------ 33 .. 52 ------->|
+        table        None (given back)  | b1           | b2           | b3
+
+    A step whose first query is at position c reads nothing before c - w + 1, and later steps
+    read later, so every block wholly before that is given back (released to the pool, cached
+    ones stay cached for prefix hits) and its entry becomes None: a request holds at most
+    ceil((w - 1) / B) + 1 blocks between decode steps, whatever its length. The runner's copy
+    of the table keeps the old ids (step diffs only append); the kernels never read before the
+    window, so another request reusing such a block cannot change this one's output.
+
+    A prefix hit of h blocks needs only the blocks holding the w - 1 positions before position
+    h * B: the last ceil((w - 1) / B) of them, found by scanning right to left (earlier blocks
+    may long have been evicted)."""
+
+    gives_back_blocks = True
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, sliding_window: int) -> None:
+        super().__init__(allocator, block_size)
+        self.sliding_window = sliding_window
+        self._hit_blocks = -(-(sliding_window - 1) // block_size)  # blocks a hit needs before its end
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, allocator: BlockAllocator, block_size: int) -> SlidingWindowManager:
+        if not isinstance(spec, SlidingWindowSpec):
+            raise TypeError(f"a SlidingWindowManager serves SlidingWindowSpec groups, got {spec!r}")
+        return cls(allocator, block_size, spec.sliding_window)
+
+    def find_longest_cache_hit(self, token_ids: Sequence[int], hashes: list[BlockHash], root: BlockHash,
+                               max_blocks: int) -> list[int | None]:
+        """The longest hit of at most `max_blocks` blocks whose last ceil((w-1)/B) blocks are all
+        cached (None before them), or a shorter hit from block 0 on (every block cached: a prefix
+        shorter than the window needs all of it)."""
+        cache = self.prefix_cache
+        cache.extend_hashes(hashes, token_ids, root, max_blocks)
+        needed = self._hit_blocks
+        if needed == 0:  # a window of one position reads nothing before the query
+            return [None] * max_blocks
+        run: list[int] = []  # the cached blocks just right of `index`, right to left
+        for index in range(max_blocks - 1, -1, -1):
+            block_id = cache.cached_block(index, token_ids, hashes, root)
+            if block_id is None:
+                run = []
+                continue
+            run.append(block_id)
+            if len(run) == needed:
+                return [None] * index + run[::-1]
+        return run[::-1]  # the run reaching block 0, shorter than the window needs: all of it
+
+    def remove_skipped_blocks(self, table: BlockTable, num_computed_tokens: int) -> None:
+        """Give back every block wholly before position num_computed_tokens - w + 1, the first
+        that the step's first query (at num_computed_tokens) reads."""
+        num_skipped = min(len(table), max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        # Only a prefix is ever given back: the new ones lie between the last None and num_skipped.
+        first = num_skipped
+        while first > 0 and table[first - 1] is not None:
+            first -= 1
+        # Oldest first: released blocks join the LRU in this order, and a later prefix hit needs
+        # the newer ones (a window's worth before its end).
+        for index in range(first, num_skipped):
+            block_id = table.drop_block(index)
+            self.allocator.release(block_id, keep_cached=self.prefix_cache.is_cached(block_id))
 

@@ -60,7 +60,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         # One request of max_model_len tokens must fit alone: then the oldest running request
         # can always get its blocks by preempting the others, and the scheduler never stalls.
-        kv_cache_manager.check_max_model_len_fits(config.max_model_len)
+        # (A window group holds a window plus one step's tokens: steps are at most the budget.)
+        kv_cache_manager.check_max_model_len_fits(config.max_model_len, config.max_num_batched_tokens)
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.num_preemptions_total = 0

@@ -10,10 +10,16 @@ the full token history, so a preempted request must produce exactly its unpreemp
 
 Like the real runner it knows a request only through the step diffs (new requests once, then new
 tokens and new blocks), so a diff that loses a token or a block shows up here too.
+
+A sliding-window group's table is read only inside its window (the last w positions), as the
+kernels read it: its entries before the window may be None (given back) or stale ids that another
+request now writes. Sampling reads the full-attention group's whole context, or, in a model with
+window groups only, the widest window.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -31,13 +37,14 @@ def next_token(states: list[int], seed: int, vocab_size: int) -> int:
     return hash((seed, *states)) % vocab_size
 
 
-def reference_next_token(history: list[int], vocab_size: int, seed: int = 0) -> int:
-    """What the fake model samples after `history`, computed without any cache."""
+def reference_next_token(history: list[int], vocab_size: int, seed: int = 0, window: int | None = None) -> int:
+    """What the fake model samples after `history`, computed without any cache (`window`: the
+    fake runner's sampling_window)."""
     states, state = [], ROOT_STATE
     for position, token_id in enumerate(history):
         state = kv_state(state, token_id, position)
         states.append(state)
-    return next_token(states, seed, vocab_size)
+    return next_token(states if window is None else states[-window:], seed, vocab_size)
 
 
 @dataclass
@@ -61,9 +68,16 @@ class StepInput:
 
 
 class FakeModelRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 32) -> None:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 32,
+                 windows: Sequence[int | None] = (None,)) -> None:
+        """`windows`: each layer group's sliding window (None: full attention); at least 2, as
+        the chain reads the previous position."""
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.windows = list(windows)
+        assert all(w is None or w >= 2 for w in self.windows)
+        # What sampling reads: the whole context if a group keeps it, else the widest window.
+        self.sampling_window = None if None in self.windows else max(self.windows)
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.num_copies = 0
         self.requests: dict[str, _RequestState] = {}
@@ -101,18 +115,22 @@ class FakeModelRunner:
                     kv = kv_state(kv, token_id, start + offset)
                     self._write(table, start + offset, kv)
             if scheduled.samples:
-                tables = state.tables
-                states = [self._read(tables[0], p) for p in range(end)]
-                for table in tables[1:]:
-                    assert [self._read(table, p) for p in range(end)] == states
+                first = 0 if self.sampling_window is None else max(0, end - self.sampling_window)
+                sampled = next(t for t, w in zip(state.tables, self.windows) if w == self.sampling_window)
+                states = [self._read(sampled, p) for p in range(first, end)]
+                for table, window in zip(state.tables, self.windows):  # every group holds the same history
+                    start_read = first if window is None else max(first, end - window)
+                    assert [self._read(table, p) for p in range(start_read, end)] == states[start_read - first:]
                 request_ids.append(scheduled.request_id)
                 token_ids.append([next_token(states, state.seed, self.vocab_size)])
         return ModelRunnerOutput(request_ids, token_ids, [None] * len(request_ids))
 
-    def _read(self, block_ids: list[int], position: int) -> int:
-        value = self.cache[block_ids[position // self.block_size]][position % self.block_size]
+    def _read(self, block_ids: list[int | None], position: int) -> int:
+        block_id = block_ids[position // self.block_size]
+        assert block_id is not None, f"position {position} was read from a block given back"
+        value = self.cache[block_id][position % self.block_size]
         assert value is not None, f"position {position} was read before it was written"
         return value
 
-    def _write(self, block_ids: list[int], position: int, state: int) -> None:
+    def _write(self, block_ids: list[int | None], position: int, state: int) -> None:
         self.cache[block_ids[position // self.block_size]][position % self.block_size] = state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from kvserve.paging import KVCacheManager
+from kvserve.paging import KVCacheManager, SlidingWindowSpec
 from kvserve.scheduler import (
     Request,
     RequestUpdate,
@@ -85,7 +85,9 @@ class Harness:
     def __post_init__(self) -> None:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching, self.group_specs)
         self.scheduler = Scheduler(self.config, self.kv)
-        self.runner = FakeModelRunner(self.num_blocks, self.block_size, VOCAB_SIZE)
+        windows = [spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+                   for spec in self.group_specs or [None]]
+        self.runner = FakeModelRunner(self.num_blocks, self.block_size, VOCAB_SIZE, windows)
 
     def add(self, *requests: Request) -> None:
         for request in requests:
@@ -150,6 +152,12 @@ class Harness:
                 assert len(scheduled.new_token_ids) <= 1
             if config.long_prefill_token_threshold:
                 assert scheduled.num_new_tokens <= config.long_prefill_token_threshold
+        # A window group holds no more than its window and the step need.
+        for group, spec in enumerate(self.group_specs or []):
+            if isinstance(spec, SlidingWindowSpec):
+                for scheduled in output.scheduled:
+                    held = sum(b is not None for b in self.kv.block_ids(scheduled.request_id, group))
+                    assert held <= spec.max_num_blocks(scheduled.seq_len, self.block_size, scheduled.num_new_tokens)
         # No physical block is in two tables unless the prefix cache or a fork shares it, and
         # then only on the positions both have computed, which the fake model checks.
         stats = self.kv.stats()

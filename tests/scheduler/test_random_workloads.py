@@ -1,7 +1,7 @@
 """Hypothesis-driven workloads: arrivals, aborts at any moment (also between schedule and
-update), preemptions, chunking, prefix sharing and n > 1, with one or two layer groups, checked
-against the fake model's reference outputs and the invariants of every step; every block is free
-at the end."""
+update), preemptions, chunking, prefix sharing and n > 1, with one or two layer groups (sliding
+windows among them), checked against the fake model's reference outputs and the invariants of
+every step; every block is free at the end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.paging import FullAttentionSpec
+from kvserve.paging import FullAttentionSpec, SlidingWindowSpec
+from kvserve.paging.kv_cache_spec import blocks_per_request
 from kvserve.scheduler import FinishReason, Request, SamplingParams
 from tests.scheduler.fake_model import reference_next_token
 from tests.scheduler.harness import BLOCK_SIZE, VOCAB_SIZE, Harness, make_config, make_request
@@ -18,6 +19,16 @@ from tests.scheduler.harness import BLOCK_SIZE, VOCAB_SIZE, Harness, make_config
 EOS = 3  # inside the vocabulary: some requests stop early
 SHARED_PREFIX = [(7 * i + 1) % VOCAB_SIZE for i in range(40)]
 TWO_GROUPS = [FullAttentionSpec(2, 16, "float32", 4), FullAttentionSpec(1, 32, "float32", 4)]
+
+
+def window(size: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(2, 16, "float32", 4, sliding_window=size)
+
+
+# Windows shorter than a block, of a block, and across blocks; a window group first makes the
+# prefix lookup ask the groups again when a later one finds less.
+GROUP_CHOICES = [None, TWO_GROUPS, [TWO_GROUPS[0], window(12)], [window(8), TWO_GROUPS[0]], [window(5)],
+                 [window(12), window(20)]]
 
 
 @dataclass(frozen=True)
@@ -69,19 +80,21 @@ def workloads(draw: st.DrawFn) -> tuple[Harness, list[Spec]]:
         policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
     # One layer group, or two (a model whose layers keep different caches: one table each).
-    group_specs = draw(st.sampled_from([None, TWO_GROUPS]))
+    group_specs = draw(st.sampled_from(GROUP_CHOICES))
     num_groups = 1 if group_specs is None else len(group_specs)
-    num_blocks = draw(st.integers(num_groups * max_model_len // BLOCK_SIZE, 16 * num_groups))
+    fewest = blocks_per_request(group_specs or TWO_GROUPS[:1], max_model_len, BLOCK_SIZE, config.max_num_batched_tokens)
+    num_blocks = draw(st.integers(fewest, max(fewest, 16 * num_groups)))
     harness = Harness(num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()), config=config,
                       group_specs=group_specs)
     return harness, draw(st.lists(specs(max_model_len), min_size=1, max_size=8))
 
 
-def reference(prompt: tuple[int, ...], params: SamplingParams, seed: int, max_model_len: int) -> tuple[list[int], FinishReason]:
+def reference(prompt: tuple[int, ...], params: SamplingParams, seed: int, max_model_len: int,
+              window: int | None) -> tuple[list[int], FinishReason]:
     """The fake model's rollout with the stop rules, written out independently of stop_checker."""
     history, output = list(prompt), []
     while True:
-        token = reference_next_token(history, VOCAB_SIZE, seed)
+        token = reference_next_token(history, VOCAB_SIZE, seed, window)
         history.append(token)
         output.append(token)
         if len(output) >= params.min_tokens and (token in params.stop_token_ids or (token == EOS and not params.ignore_eos)):
@@ -133,7 +146,7 @@ def test_random_workload_matches_reference_and_frees_everything(workload: tuple[
     max_model_len = h.config.max_model_len
     for parent, (spec, requests) in groups.items():
         for request in requests:
-            expected, reason = reference(spec.prompt, spec.params, request.seed, max_model_len)
+            expected, reason = reference(spec.prompt, spec.params, request.seed, max_model_len, h.runner.sampling_window)
             produced = h.outputs[request.request_id]
             if request.request_id in aborted:
                 assert request.finish_reason is FinishReason.ABORT
