@@ -26,7 +26,9 @@ from kvserve.kernels.kv_quant import check_scale
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache): [num_blocks, Hkv, block_size, D]
+# (key_cache, value_cache): [num_blocks, Hkv, block_size, D]; a latent (MLA) layer's value cache
+# is a view of its key cache's first kv_lora_rank values (one shared head, key width != value width).
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class AttentionBackend(Protocol):
@@ -40,12 +42,13 @@ class AttentionBackend(Protocol):
 
     def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                        metadata: AttentionMetadata) -> None:
-        """Scatter this step's K/V rows ([tokens, kv_heads, head_dim]) into their slots."""
+        """Scatter this step's K/V rows ([tokens, kv_heads, head_dim]) into their slots (a latent
+        cache: the latents as keys, and their first kv_lora_rank values as values, written once)."""
         ...
 
     def paged_attention(self, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-        """query [tokens, heads, head_dim] -> the attention output of the same shape."""
+        """query [tokens, heads, key head_dim] -> the attention output [tokens, heads, value head_dim]."""
         ...
 
 
@@ -78,7 +81,7 @@ class TorchAttentionBackend:
 
     def write_kv_cache(self, key, value, kv_cache, metadata) -> None:
         key_cache, value_cache = kv_cache
-        if self.native and key.device.type == "cpu":
+        if self.native and key.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
             torch.ops.kvserve_cpu.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping,
                                                  check_scale("k_scale", self.k_scale), check_scale("v_scale", self.v_scale))
             return
@@ -88,7 +91,7 @@ class TorchAttentionBackend:
     def paged_attention(self, query, kv_cache, metadata, scale) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         m = metadata
-        if self.native and query.device.type == "cpu" and cpu_kernel_supports(query.shape[-1]):
+        if self.native and query.device.type == "cpu" and cpu_kernel_supports(key_cache.shape[-1], value_cache.shape[-1]):
             # k_scale multiplies every score, v_scale every output: folded in, the cache is never touched.
             return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, m.block_tables, m.seq_lens,
                                                          m.query_start_loc, scale * check_scale("k_scale", self.k_scale),

@@ -28,8 +28,9 @@ LANES = 16  # the kernel works on 16-float vectors: head_dim must be a multiple,
 MAX_HEAD_DIM = 256
 
 
-def cpu_kernel_supports(head_dim: int) -> bool:
-    return head_dim % LANES == 0 and head_dim <= MAX_HEAD_DIM
+def cpu_kernel_supports(key_dim: int, value_dim: int) -> bool:
+    """Keys and values of one width (a latent cache's differ: the torch path serves it)."""
+    return key_dim == value_dim and key_dim % LANES == 0 and key_dim <= MAX_HEAD_DIM
 
 
 def load_cpu_kernel(cache_dir: Path | None = None, compiler: str | None = None) -> bool:

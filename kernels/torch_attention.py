@@ -5,7 +5,11 @@ tables) where it can be built, else `torch_paged_attention`, the plain-torch imp
 is also the oracle for the Triton and C++ kernels.
 
 Cache layout (shared by every implementation):
-    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim (of keys; of values)]
+Keys and values may differ in width: latent attention (MLA, DeepSeek-V2/V3) reads one shared KV
+head whose keys are 576-dim latent+rope vectors and whose values are their first 512 values, a
+view of the same memory (`values_alias_keys`); such a cache is written once (the keys) and
+gathered once. The output has the values' width.
 A token at position p of a request lives in physical block block_table[p // block_size], row
 p % block_size; its "slot" is block_id * block_size + p % block_size. Within one block and one
 KV head the block_size x head_dim tile is contiguous, so a GPU program that owns a KV head reads
@@ -34,6 +38,7 @@ from kvserve.kernels.validation import (
     check_num_decodes,
     check_write_shapes,
     check_write_values,
+    values_alias_keys,
 )
 
 GATHER_BUDGET_BYTES = 4 << 20  # gathered K+V per decode slice: about an L2-sized working set
@@ -54,7 +59,7 @@ def write_kv_cache(
     skips the Python checks where the C++ kernel runs (it checks what it reads, before writing)
     and the slot range check elsewhere (an out-of-range slot still fails in torch's indexing)."""
     k_scale_value, v_scale_value = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-    on_kernel = key.device.type == "cpu" and cpu_kernel_available()
+    on_kernel = key.device.type == "cpu" and key.shape[-1] == value.shape[-1] and cpu_kernel_available()
     if validate or not on_kernel:
         check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
     if validate:
@@ -93,7 +98,8 @@ def _torch_write(key, value, key_cache, value_cache, slot_mapping, k_scale: floa
     block_size = key_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, :, offsets] = quantize_for_cache(key[valid], key_cache.dtype, k_scale)
-    value_cache[blocks, :, offsets] = quantize_for_cache(value[valid], value_cache.dtype, v_scale)
+    if not values_alias_keys(key_cache, value_cache):  # a latent's values were written with it
+        value_cache[blocks, :, offsets] = quantize_for_cache(value[valid], value_cache.dtype, v_scale)
 
 
 def paged_attention(
@@ -113,7 +119,8 @@ def paged_attention(
     validate: bool = True,
 ) -> torch.Tensor:
     """Each request's queries are the last q_len positions of its seq_len-token context and
-    attend causally to it (prefix hits and earlier chunks included). Returns [num_tokens, num_heads, head_dim].
+    attend causally to it (prefix hits and earlier chunks included). Returns [num_tokens,
+    num_heads, the value cache's head_dim].
 
     `num_decodes`: requests [0, num_decodes) are single-query decodes in query rows
     [0, num_decodes), the rest prompt chunks. `validate=False` skips the metadata *value* checks
@@ -121,7 +128,8 @@ def paged_attention(
     block id and length it relies on (a few microseconds, against ~60 for the Python checks), and
     on its refusal the Python checks run to name the problem. The torch path always checks
     shapes; its indexing raises on a bad block id."""
-    on_kernel = query.device.type == "cpu" and query.dim() == 3 and cpu_kernel_supports(query.shape[2]) and cpu_kernel_available()
+    on_kernel = (query.device.type == "cpu" and query.dim() == 3 and cpu_kernel_supports(key_cache.shape[-1], value_cache.shape[-1])
+                 and cpu_kernel_available())
     if validate or not on_kernel:
         check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     else:  # the kernel does not read num_decodes, so it cannot refuse a wrong one
@@ -179,7 +187,7 @@ def _torch_attention(
     max_seq_len: int | None,
     num_decodes: int | None,
 ) -> torch.Tensor:
-    out = torch.empty_like(query)
+    out = query.new_empty(*query.shape[:2], value_cache.shape[-1])
     num_seqs = seq_lens.shape[0]
     if query.shape[0] == 0:
         return out
@@ -229,6 +237,15 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.d
     return gathered.view(num_kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim).to(dtype)
 
 
+def _gather_keys_and_values(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gathered; a latent cache once, its values a slice of the gathered keys."""
+    keys = _gather_context(key_cache, block_ids, dtype)
+    if values_alias_keys(key_cache, value_cache):
+        return keys, keys[..., : value_cache.shape[-1]]
+    return keys, _gather_context(value_cache, block_ids, dtype)
+
+
 def _decode_batch(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -242,11 +259,12 @@ def _decode_batch(
     out_scale: float,
     max_seq_len: int | None,
 ) -> None:
-    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+    num_kv_heads = key_cache.shape[1]
     longest = int(seq_lens[seqs].max()) if max_seq_len is None else max_seq_len
     # Gathered K+V per request; batches whose gathered context would spill out of the CPU caches
     # run in slices (measured: one 50 MB gather was slower than a per-request loop).
-    per_request = 2 * num_kv_heads * longest * head_dim * query.element_size()
+    gathered_dims = key_cache.shape[3] + (0 if values_alias_keys(key_cache, value_cache) else value_cache.shape[3])
+    per_request = num_kv_heads * longest * gathered_dims * query.element_size()
     slice_size = max(1, GATHER_BUDGET_BYTES // per_request)
     # Slices of similar lengths waste little on padding: sorted, each slice is padded only to its
     # own longest context (measured 2.4x faster than padding all to the batch's longest).
@@ -283,8 +301,7 @@ def _decode_slice(
     # length mask hides whatever they hold.
     in_use = torch.arange(num_blocks, device=query.device) < ((lens + block_size - 1) // block_size).unsqueeze(1)
     tables = torch.where(in_use, tables, torch.zeros_like(tables))
-    k = _gather_context(key_cache, tables, query.dtype)  # [kv_heads, n, L, D]
-    v = _gather_context(value_cache, tables, query.dtype)
+    k, v = _gather_keys_and_values(key_cache, value_cache, tables, query.dtype)  # [kv_heads, n, L, D (Dv)]
     q = query[rows].view(-1, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, n, group, D]
     hidden = torch.arange(k.shape[2], device=query.device) >= lens.unsqueeze(1)  # [n, L]: padding
     # Two batched matmuls rather than SDPA: with a single query row per request, CPU SDPA's
@@ -295,7 +312,7 @@ def _decode_slice(
     attn = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
     if out_scale != 1.0:
         attn = attn * out_scale
-    out[rows] = attn.transpose(0, 1).reshape(-1, num_heads, head_dim)
+    out[rows] = attn.transpose(0, 1).reshape(-1, num_heads, v.shape[-1])
 
 
 def _chunk_attention(
@@ -311,8 +328,8 @@ def _chunk_attention(
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     blocks = block_table[: (seq_len + block_size - 1) // block_size]
-    k = _gather_context(key_cache, blocks, q.dtype)[:, :seq_len]  # [kv_heads, seq_len, D]
-    v = _gather_context(value_cache, blocks, q.dtype)[:, :seq_len]
+    k, v = _gather_keys_and_values(key_cache, value_cache, blocks, q.dtype)
+    k, v = k[:, :seq_len], v[:, :seq_len]  # [kv_heads, seq_len, D (Dv)]
     # Fold each KV head's group of query heads into its rows: row g * q_len + t is head g, token t.
     q_rows = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
     if group == 1 and q_len == seq_len:
@@ -323,4 +340,5 @@ def _chunk_attention(
         attn = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=causal, scale=score_scale)
     if out_scale != 1.0:
         attn = attn * out_scale
-    return attn.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    value_dim = v.shape[-1]
+    return attn.view(num_kv_heads, group, q_len, value_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, value_dim)

@@ -7,11 +7,14 @@ One launch covers the whole batch. The grid is (query tiles, KV heads, KV splits
                            bounded by num_tokens // BLOCK_Q + num_seqs, known from shapes alone, so
                            the launcher never reads the offsets (no host sync). Tiles past the end of
                            a request exit at once.
-    axis 1: KV head     -- the tile's rows are BLOCK_Q tokens x GROUP query heads sharing this KV
-                           head, so each K/V tile is loaded once and used by the whole group:
+    axis 1: KV head x head block -- the tile's rows are BLOCK_Q tokens x GROUP_BLOCK of the query
+                           heads sharing this KV head, so each K/V tile is loaded once and used by
+                           that many heads (the whole group unless it is large: latent attention's
+                           128 heads on one KV head run in blocks, so the accumulator fits):
 
-                               row r = token (r // GROUP_PAD), head kv_head * GROUP + r % GROUP_PAD
-                               Q tile [BLOCK_Q * GROUP_PAD, HEAD_DIM] . K tile^T [HEAD_DIM, TILE]
+                               row r = token (r // GROUP_BLOCK),
+                                       head kv_head * GROUP + head_block * GROUP_BLOCK + r % GROUP_BLOCK
+                               Q tile [BLOCK_Q * GROUP_BLOCK, K_DIM] . K tile^T [K_DIM, TILE]
 
     axis 2: KV split    -- flash-decoding: split `split` covers context positions
                            [split * kv_split_len, (split + 1) * kv_split_len). With one split the
@@ -21,6 +24,10 @@ One launch covers the whole batch. The grid is (query tiles, KV heads, KV splits
 K/V tiles are gathered through the block table per position, so TILE need not equal the block
 size (tl.dot wants >= 16 on a GPU; blocks may be 8). Softmax runs online in base 2 with the
 scale (and the fp8 k_scale) folded into one multiplier.
+
+Keys may be wider than values (latent attention: 576-dim keys = the 512 latent values + a 64-dim
+rope key). A key is read as two power-of-2 tiles, its first V_DIM dims and the TAIL_DIM past
+them, and the scores are the sum of the two products: no padding 576 up to 1024.
 """
 
 from __future__ import annotations
@@ -50,19 +57,21 @@ def paged_attention_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr,
     score_scale_log2, out_scale, num_seqs, kv_split_len,
     stride_qt, stride_qh,
-    stride_cb, stride_ch, stride_cs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
     stride_bt,
     stride_ot, stride_oh,
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    V_DIM: tl.constexpr, V_DIM_PAD: tl.constexpr, TAIL_DIM: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_BLOCK
     tile_index = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
 
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
@@ -75,18 +84,23 @@ def paged_attention_kernel(
     context_before = seq_len - q_len  # positions that precede this step's queries
 
     rows = tl.arange(0, BLOCK_M)
-    q_index = local_tile * BLOCK_Q + rows // GROUP_PAD
-    group_member = rows % GROUP_PAD
+    q_index = local_tile * BLOCK_Q + rows // GROUP_BLOCK
+    group_member = head_block * GROUP_BLOCK + rows % GROUP_BLOCK
     head = kv_head * GROUP + group_member
     row_valid = (q_index < q_len) & (group_member < GROUP)
     q_pos = context_before + q_index
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_valid = dims < HEAD_DIM
+    dims = tl.arange(0, V_DIM_PAD)  # the values' dims, and the keys' first V_DIM
+    dim_valid = dims < V_DIM
+    tail = tl.arange(0, TAIL_PAD)  # the keys' dims past V_DIM (none unless TAIL_DIM > 0)
+    tail_valid = tail < TAIL_DIM
 
-    q_ptrs = query_ptr + (q_start + q_index)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q_rows = query_ptr + (q_start + q_index)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if TAIL_DIM > 0:
+        q_tail = tl.load(q_rows + V_DIM + tail[None, :], mask=row_valid[:, None] & tail_valid[None, :], other=0.0)
+        q_tail = q_tail.to(q.dtype)
 
     # The last query of this tile sees positions < kv_stop; nothing after it is read.
     kv_stop = tl.minimum(seq_len, context_before + tl.minimum(local_tile * BLOCK_Q + BLOCK_Q, q_len))
@@ -95,17 +109,22 @@ def paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_DIM_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
     for tile_start in range(kv_begin, kv_end, TILE):
         positions = tile_start + tl.arange(0, TILE)
         pos_valid = positions < kv_end
         physical = tl.load(table_row + positions // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        kv_offsets = physical[:, None] * stride_cb + kv_head * stride_ch + (positions % BLOCK_SIZE)[:, None] * stride_cs + dims[None, :]
+        offsets = positions % BLOCK_SIZE
+        k_rows = key_cache_ptr + physical[:, None] * stride_kb + kv_head * stride_kh + offsets[:, None] * stride_ks
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = tl.load(k_rows + dims[None, :], mask=kv_mask, other=0.0)
         k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale_log2  # [BLOCK_M, TILE], log2 units
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE]
+        if TAIL_DIM > 0:
+            k_tail = tl.load(k_rows + V_DIM + tail[None, :], mask=pos_valid[:, None] & tail_valid[None, :], other=0.0)
+            scores += tl.dot(q_tail, tl.trans(k_tail.to(q.dtype)), input_precision=DOT_PRECISION)
+        scores = scores * score_scale_log2  # log2 units
         visible = (positions[None, :] <= q_pos[:, None]) & pos_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
 
@@ -115,7 +134,8 @@ def paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v_offsets = physical[:, None] * stride_vb + kv_head * stride_vh + offsets[:, None] * stride_vs + dims[None, :]
+        v = tl.load(value_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.kv_quant import FP8_E4M3_MAX, check_scale
-from kvserve.kernels.validation import FP8_KV_DTYPE, KernelInputError, check_write_shapes, check_write_values
+from kvserve.kernels.validation import FP8_KV_DTYPE, KernelInputError, check_write_shapes, check_write_values, values_alias_keys
 
 
 @triton.jit
@@ -36,9 +36,11 @@ def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ch, stride_cs,
+    stride_kb, stride_kch, stride_ks,
+    stride_vb, stride_vch, stride_vs,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    K_DIM: tl.constexpr, K_DIM_PAD: tl.constexpr, V_DIM: tl.constexpr, V_DIM_PAD: tl.constexpr,
+    WRITE_VALUE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -46,21 +48,26 @@ def _write_kv_kernel(
     if slot < 0:  # padding row
         return
     heads = tl.arange(0, HEADS_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    cache_offsets = block * stride_cb + heads[:, None] * stride_ch + offset * stride_cs + dims[None, :]
 
-    key = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
-    value = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
+    k_dims = tl.arange(0, K_DIM_PAD)
+    k_mask = (heads[:, None] < NUM_KV_HEADS) & (k_dims[None, :] < K_DIM)
+    key = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + k_dims[None, :], mask=k_mask, other=0.0)
     key = key.to(tl.float32) / k_scale
-    value = value.to(tl.float32) / v_scale
     if IS_FP8:  # e4m3fn has no inf: clamp so an outlier saturates instead of becoming NaN
         key = _round_to_e4m3(tl.clamp(key, -FP8_MAX, FP8_MAX))
-        value = _round_to_e4m3(tl.clamp(value, -FP8_MAX, FP8_MAX))
-    tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    k_offsets = block * stride_kb + heads[:, None] * stride_kch + offset * stride_ks + k_dims[None, :]
+    tl.store(key_cache_ptr + k_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=k_mask)
+    if WRITE_VALUE:  # not for a latent cache, whose values are its keys' first V_DIM dims
+        v_dims = tl.arange(0, V_DIM_PAD)
+        v_mask = (heads[:, None] < NUM_KV_HEADS) & (v_dims[None, :] < V_DIM)
+        value = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + v_dims[None, :], mask=v_mask, other=0.0)
+        value = value.to(tl.float32) / v_scale
+        if IS_FP8:
+            value = _round_to_e4m3(tl.clamp(value, -FP8_MAX, FP8_MAX))
+        v_offsets = block * stride_vb + heads[:, None] * stride_vch + offset * stride_vs + v_dims[None, :]
+        tl.store(value_cache_ptr + v_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def triton_write_kv_cache(
@@ -79,20 +86,22 @@ def triton_write_kv_cache(
     check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise KernelInputError("key and value must be contiguous in head_dim (the last dimension); call .contiguous() first")
-    if key_cache.stride() != value_cache.stride():
-        raise KernelInputError(f"key_cache strides {key_cache.stride()} differ from value_cache's {value_cache.stride()}; allocate both alike")
     if check_slots:
         check_write_values(slot_mapping, key_cache)
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    _, num_kv_heads, block_size, head_dim = key_cache.shape
+    _, num_kv_heads, block_size, key_dim = key_cache.shape
+    value_dim = value_cache.shape[3]
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         check_scale("k_scale", k_scale), check_scale("v_scale", v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        K_DIM=key_dim, K_DIM_PAD=triton.next_power_of_2(key_dim),
+        V_DIM=value_dim, V_DIM_PAD=triton.next_power_of_2(value_dim),
+        WRITE_VALUE=not values_alias_keys(key_cache, value_cache),
         BLOCK_SIZE=block_size, IS_FP8=key_cache.dtype == FP8_KV_DTYPE, FP8_MAX=FP8_E4M3_MAX,
     )

@@ -30,12 +30,22 @@ def _require(condition: bool, message: str) -> None:
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    _require(key_cache.dim() == 4, f"key_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got shape {tuple(key_cache.shape)}")
-    _require(key_cache.shape == value_cache.shape, f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must have the same shape")
+    """Key and value caches share blocks, heads and block size; their head dims may differ
+    (latent attention reads keys of kv_lora_rank + rope values and values of kv_lora_rank)."""
+    _require(key_cache.dim() == 4 and value_cache.dim() == 4, f"key_cache and value_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    _require(key_cache.shape[:3] == value_cache.shape[:3], f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must have the same shape but for head_dim")
     _require(key_cache.dtype == value_cache.dtype, f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) must have the same dtype")
     _require(key_cache.dtype in FLOAT_DTYPES + (FP8_KV_DTYPE,), f"KV cache dtype must be float32, float16, bfloat16 or float8_e4m3fn, got {key_cache.dtype}")
     _require(key_cache.device == value_cache.device, f"key_cache is on {key_cache.device} but value_cache on {value_cache.device}")
     _require(key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "KV caches must be contiguous in head_dim (the last dimension)")
+
+
+def values_alias_keys(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the value cache is the key cache's first head_dim_v columns (latent attention's
+    one latent per token): then writing the keys writes the values, and the keys read are the
+    values read. Tensor metadata only."""
+    return (value_cache.data_ptr() == key_cache.data_ptr() and value_cache.stride() == key_cache.stride()
+            and value_cache.shape[:3] == key_cache.shape[:3] and value_cache.shape[3] <= key_cache.shape[3])
 
 
 def _check_index_tensor(name: str, tensor: torch.Tensor, dims: int, device: torch.device) -> None:
@@ -49,8 +59,9 @@ def check_write_shapes(
 ) -> None:
     check_cache_pair(key_cache, value_cache)
     _, num_kv_heads, _, head_dim = key_cache.shape
-    _require(key.dim() == 3 and key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [num_tokens, num_kv_heads, head_dim]")
-    _require(tuple(key.shape[1:]) == (num_kv_heads, head_dim), f"key/value rows are {tuple(key.shape[1:])} (kv_heads, head_dim) but the cache holds ({num_kv_heads}, {head_dim})")
+    _require(key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2], f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [num_tokens, num_kv_heads, head_dim]")
+    _require(tuple(key.shape[1:]) == (num_kv_heads, head_dim), f"key rows are {tuple(key.shape[1:])} (kv_heads, head_dim) but the cache holds ({num_kv_heads}, {head_dim})")
+    _require(value.shape[2] == value_cache.shape[3], f"value rows have head_dim {value.shape[2]} but the value cache holds {value_cache.shape[3]}")
     _require(key.dtype in FLOAT_DTYPES and key.dtype == value.dtype, f"key and value must share a float dtype, got {key.dtype} and {value.dtype}")
     _require(key.device == key_cache.device and value.device == key_cache.device, f"key/value are on {key.device} but the KV cache is on {key_cache.device}")
     _check_index_tensor("slot_mapping", slot_mapping, 1, key_cache.device)
@@ -79,7 +90,7 @@ def check_attention_shapes(
     _, num_kv_heads, _, head_dim = key_cache.shape
     _require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
     _require(query.dtype in FLOAT_DTYPES, f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
-    _require(query.shape[2] == head_dim, f"query head_dim {query.shape[2]} differs from the cache's {head_dim}")
+    _require(query.shape[2] == head_dim, f"query head_dim {query.shape[2]} differs from the key cache's {head_dim}")
     _require(query.shape[1] % num_kv_heads == 0, f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads (GQA needs a whole group per KV head)")
     _require(key_cache.dtype in (query.dtype, FP8_KV_DTYPE), f"KV cache dtype {key_cache.dtype} must equal the query dtype {query.dtype} or be float8_e4m3fn")
     _require(query.device == key_cache.device, f"query is on {query.device} but the KV cache is on {key_cache.device}")

@@ -7,6 +7,7 @@ in order), block-table entries past a request's last block hold -1, and the dens
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -121,3 +122,15 @@ DECODES_FIRST_QUERY_LENS = [1, 1, 1, 5, 16, 5, 16]
 NUM_DECODES = 3
 
 FP8 = FP8_KV_DTYPE
+
+
+def make_latent_batch(seq_lens: list[int], query_lens: list[int], *, kv_lora_rank: int = 32, rope_dim: int = 16,
+                      num_heads: int = 4, **options) -> PagedBatch:
+    """A latent (MLA) cache: one shared KV head of kv_lora_rank + rope_dim dims per token, whose
+    values are its first kv_lora_rank dims, a view of the same memory (as the runner lays it out)."""
+    batch = make_batch(seq_lens, query_lens, num_kv_heads=1, group=num_heads, head_dim=kv_lora_rank + rope_dim, **options)
+    return dataclasses.replace(
+        batch,
+        value_cache=batch.key_cache[..., :kv_lora_rank],
+        dense_values=[k[..., :kv_lora_rank] for k in batch.dense_keys],
+    )

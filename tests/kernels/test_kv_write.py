@@ -95,3 +95,28 @@ def test_write_rejects_rows_that_do_not_fit_the_cache() -> None:
         write_kv_cache(torch.randn(3, 3, 64), torch.randn(3, 3, 64), key_cache, value_cache, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="k_scale must be a positive"):
         write_kv_cache(torch.randn(2, 3, 64), torch.randn(2, 3, 64), key_cache, value_cache, torch.tensor([0, 1]), k_scale=0.0)
+
+
+@pytest.mark.parametrize("device", INTERPRETER_OR_CUDA)
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_latent_cache_is_written_once_through_its_keys(device: str, writer: str) -> None:
+    # One latent of 48 dims per token; the values are a view of its first 32 dims.
+    latent_cache = torch.zeros(6, 1, 8, 48, device=device)
+    values = latent_cache[..., :32]
+    latent = torch.randn(4, 1, 48, device=device)
+    slots = torch.tensor([3, -1, 17, 40], device=device)
+    WRITERS[writer](latent, latent[..., :32], latent_cache, values, slots)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(latent_cache[slot // 8, :, slot % 8], latent[row])
+            assert torch.equal(values[slot // 8, :, slot % 8], latent[row, :, :32])
+    assert torch.count_nonzero(latent_cache) == 3 * 48
+
+
+@pytest.mark.parametrize("device", INTERPRETER_OR_CUDA)
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_values_narrower_than_keys_in_their_own_cache_are_written(device: str, writer: str) -> None:
+    key_cache, value_cache = torch.zeros(6, 2, 8, 48, device=device), torch.zeros(6, 2, 8, 32, device=device)
+    key, value = torch.randn(3, 2, 48, device=device), torch.randn(3, 2, 32, device=device)
+    WRITERS[writer](key, value, key_cache, value_cache, torch.tensor([1, 9, 47], device=device))
+    assert torch.equal(key_cache[1, :, 1], key[1]) and torch.equal(value_cache[5, :, 7], value[2])

@@ -7,6 +7,8 @@ torch, the oracle, on any device).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from tests.kernels.paged_batch import (
     TOLERANCES,
     dense_attention,
     make_batch,
+    make_latent_batch,
 )
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -30,7 +33,7 @@ IMPLEMENTATIONS = [pytest.param(paged_attention, id="serving"), pytest.param(tor
 
 def _check(implementation, batch, dtype, **hints) -> None:
     out = implementation(*batch.attention_args(), **hints)
-    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    assert out.shape == (*batch.query.shape[:2], batch.value_cache.shape[-1]) and out.dtype == batch.query.dtype
     torch.testing.assert_close(out.float().cpu(), dense_attention(batch), **TOLERANCES[dtype])
 
 
@@ -108,3 +111,25 @@ def test_empty_batch_returns_empty_output(implementation) -> None:
         batch.query_start_loc[:1], batch.scale,
     )
     assert empty.shape == (0, *batch.query.shape[1:])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decodes_first", [False, True])
+def test_a_latent_cache_attends_as_one_kv_head_with_wider_keys_than_values(implementation, device: str,
+                                                                            dtype: torch.dtype, decodes_first: bool) -> None:
+    # Latent attention's absorbed form: 48-dim keys (32 latent + 16 rope), 32-dim values that are
+    # the keys' first 32 dims in the same memory, 8 query heads on the one KV head.
+    seq_lens, query_lens = (DECODES_FIRST_SEQ_LENS, DECODES_FIRST_QUERY_LENS) if decodes_first else (MIXED_SEQ_LENS, MIXED_QUERY_LENS)
+    batch = make_latent_batch(seq_lens, query_lens, num_heads=8, dtype=dtype, device=device)
+    assert batch.value_cache.data_ptr() == batch.key_cache.data_ptr()
+    _check(implementation, batch, dtype, **({"num_decodes": NUM_DECODES} if decodes_first else {}))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_values_narrower_than_keys_in_their_own_cache(implementation) -> None:
+    batch = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, group=3, head_dim=64)
+    narrow = batch.value_cache[..., :32].contiguous()  # its own memory: gathered on its own
+    batch = dataclasses.replace(batch, value_cache=narrow, dense_values=[v[..., :32] for v in batch.dense_values])
+    _check(implementation, batch, torch.float32)

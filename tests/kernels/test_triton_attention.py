@@ -18,6 +18,7 @@ from tests.kernels.paged_batch import (
     TOLERANCES,
     dense_attention,
     make_batch,
+    make_latent_batch,
 )
 
 # The interpreter runs CPU tensors only where CUDA is absent (conftest sets TRITON_INTERPRET=1).
@@ -111,3 +112,31 @@ def test_plan_splits_long_contexts_of_few_requests_only() -> None:
 def test_plan_never_launches_splits_that_can_hold_no_keys() -> None:
     plan = plan_launch(num_tokens=1, num_seqs=1, num_kv_heads=1, group=1, head_dim=64, max_context=100, num_sms=1, num_kv_splits=8)
     assert (plan.num_splits - 1) * plan.kv_split_len < 100
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [
+    dict(),  # every head in one program
+    dict(group_block=2),  # 8 heads in 4 head blocks, each program reading the whole context
+    dict(group_block=4, num_kv_splits=2),  # head blocks and flash-decoding splits together
+], ids=["one-block", "head-blocks", "head-blocks-split"])
+def test_a_latent_cache_with_wider_keys_than_values_matches_dense_and_torch(device: str, options: dict) -> None:
+    # Latent attention's absorbed form: keys of 32 latent + 16 rope dims (read as a 32-dim and a
+    # 16-dim tile), values the keys' first 32 dims in the same memory, 8 heads on one KV head.
+    batch = make_latent_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, num_heads=8, device=device)
+    out = triton_paged_attention(*batch.attention_args(), check_block_tables=True, **options)
+    assert out.shape == (batch.query.shape[0], 8, 32)
+    torch.testing.assert_close(out.float().cpu(), dense_attention(batch), **TOLERANCES[torch.float32])
+    torch.testing.assert_close(out.cpu(), torch_paged_attention(*batch.attention_args()).cpu(), **TOLERANCES[torch.float32])
+
+
+def test_plans_for_latent_attention_cut_128_heads_into_blocks_that_fit():
+    # DeepSeek-V3: 128 heads on one KV head, 576-dim keys, 512-dim values.
+    decode = plan_launch(num_tokens=8, num_seqs=8, num_kv_heads=1, group=128, head_dim=576, max_context=4096,
+                         num_sms=132, value_dim=512)
+    prefill = plan_launch(num_tokens=2048, num_seqs=1, num_kv_heads=1, group=128, head_dim=576, max_context=2048,
+                          num_sms=132, value_dim=512)
+    for plan in (decode, prefill):
+        assert plan.group_block * plan.head_blocks == 128
+        assert plan.block_q * plan.group_block * 512 <= 64 * 256  # the fp32 accumulator stays bounded
+    assert decode.num_splits > 1  # 8 requests x 4 head blocks would leave most of 132 SMs idle
