@@ -21,7 +21,7 @@ import torch
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model.model_source import resolve_model
 from kvserve.engine.model.packed_linear import pack_linear_weights
-from kvserve.engine.engine_builder import kv_cache_config_for
+from kvserve.engine.worker.kv_cache_sizing import kv_cache_config_for
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kernels import select_attention_backend
 from kvserve.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput

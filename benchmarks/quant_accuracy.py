@@ -82,7 +82,7 @@ def built_as(variant: Variant) -> Iterator[None]:
 def passage_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 logits at every position of PASSAGE (teacher forced, through the engine's model) and
     the next token at each."""
-    model, config = llm.engine.model_runner.model, llm.engine.model_config
+    model, config = llm.engine.executor.driver.runner.model, llm.engine.model_config
     ids = llm.get_tokenizer().encode(PASSAGE)
     # As the engine calls its compiled layers (inference mode, symbolic sizes): otherwise each
     # variant adds graphs until dynamo's recompile limit and the later engines run eagerly.

@@ -103,7 +103,7 @@ def profiled_op_seconds(events: Any) -> dict[str, float]:
 def instrument(llm: LLM) -> Timers:
     timers = Timers()
     engine = llm.engine
-    runner = engine.model_runner
+    runner = engine.executor.driver.runner
     # Hooks only on modules that run eagerly: the model itself (its layers are what is compiled)
     # and lm_head, which compute_logits calls outside the forward.
     timers.hook(runner.model.lm_head, "lm_head")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     timers = instrument(llm)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {llm.engine.model_runner.model_dtype}, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {llm.engine.executor.driver.runner.model_dtype}, "
           f"quantization {args.quantization or 'none'}, prompts of {args.prompt_len} tokens", flush=True)
 
     results: dict[str, dict[str, float]] = {}

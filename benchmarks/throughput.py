@@ -94,7 +94,7 @@ def main() -> int:
     tokens, seconds = run_kvserve_static(llm, items, args.static_batch_size)
     rows.append((f"kvserve static batches of {args.static_batch_size}", tokens, seconds))
     if not args.skip_transformers:
-        dtype = llm.engine.model_runner.model_dtype
+        dtype = llm.engine.executor.driver.runner.model_dtype
         best = None
         for size in (int(s) for s in args.transformers_batch_sizes.split(",")):
             tokens, seconds = run_transformers_static(items, size, dtype)

@@ -94,23 +94,24 @@ class AsyncEngine:
 
     @property
     def block_size(self) -> int:
-        return self.engine.model_runner.kv_cache_config.block_size
+        return self.engine.executor.driver.kv_cache_config.block_size
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.engine.model_runner.kv_cache_config.num_blocks
+        return self.engine.executor.driver.kv_cache_config.num_blocks
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.engine.model_runner.kv_cache_config.total_bytes
+        """Over all tensor-parallel ranks (each holds its share of every block's heads)."""
+        return self.engine.executor.driver.kv_cache_config.total_bytes * self.engine.config.tensor_parallel_size
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.engine.model_runner.model_dtype
+        return self.engine.executor.driver.runner.model_dtype
 
     @property
     def device(self) -> torch.device:
-        return self.engine.model_runner.device
+        return self.engine.executor.driver.runner.device
 
     @property
     def is_dead(self) -> bool:

@@ -36,10 +36,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs: arrival order | priority: a request's priority, then arrival
     long_prefill_token_threshold: int = 0  # most prompt tokens one request computes per step (0: no cap)
     num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
+    kv_cache_memory: int | None = None  # bytes, over all tensor-parallel ranks together
     enable_prefix_caching: bool = True
     # Skip torch.compile and run the model eagerly (vLLM's name). Compiling applies on CPU only
-    # so far; CUDA runs eagerly either way.
+    # so far (every tensor-parallel rank alike); CUDA runs eagerly either way.
     enforce_eager: bool = False
     seed: int = 0
     quantization: str | None = None  # None (the model dtype) | int8 | int4: weight-only, applied after loading
@@ -73,9 +73,6 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("--long-prefill-token-threshold",
                               f"--long-prefill-token-threshold must be at least 0, got {self.long_prefill_token_threshold}")
-        if self.tensor_parallel_size > 1 and self.quantization is not None:
-            raise ConfigError("--tensor-parallel-size", "--tensor-parallel-size > 1 cannot be combined with "
-                                                         "--quantization yet: the shards are cut from float weights")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len", f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -4,6 +4,9 @@
     CPU, memory-limited cgroup   limit - weights - runtime overhead, at most 4 GiB
     CPU, no limit                a quarter of MemAvailable, at most 4 GiB (vLLM's CPU default)
 
+On CPU, tensor-parallel ranks share the machine's RAM: they ask for one budget with every
+rank's weights and one runtime overhead per process, and split it (engine/worker/kv_cache_sizing.py).
+
 A container (`docker run --memory 2g`, a Kubernetes limit) sees the *host's* /proc/meminfo, so
 sizing from it there gets the process OOM-killed; and MemAvailable moves from run to run. Under
 a cgroup limit the budget is therefore computed from fixed quantities only (the limit, the
@@ -48,9 +51,10 @@ class MemorySources:
 
 
 def default_kv_cache_bytes(device: torch.device, weights_bytes: int, min_kv_bytes: int,
-                           sources: MemorySources = MemorySources()) -> int:
+                           sources: MemorySources = MemorySources(), *, num_processes: int = 1) -> int:
     """The KV budget in bytes. Raises ConfigError (naming --kv-cache-memory) when a memory limit
-    leaves less than `min_kv_bytes` (one request of max_model_len) after weights and overhead."""
+    leaves less than `min_kv_bytes` (one request of max_model_len) after weights and overhead.
+    num_processes: the processes sharing this (CPU) memory, each with its runtime overhead."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * CUDA_KV_CACHE_FRACTION)
@@ -67,18 +71,19 @@ def default_kv_cache_bytes(device: torch.device, weights_bytes: int, min_kv_byte
         logger.info("KV cache: %.2f GiB = %.0f%% of the %.2f GiB available (no cgroup memory limit), at most %.0f GiB",
                     budget / 2**30, 100 * CPU_KV_CACHE_FRACTION, available / 2**30, CPU_KV_CACHE_MAX_BYTES / 2**30)
         return budget
-    left = limit - weights_bytes - CPU_RUNTIME_OVERHEAD_BYTES
+    overhead = CPU_RUNTIME_OVERHEAD_BYTES * num_processes
+    left = limit - weights_bytes - overhead
     if left < min_kv_bytes:
         raise ConfigError("--kv-cache-memory", (
             f"the memory limit of {limit / 2**30:.2f} GiB (cgroup) leaves {max(left, 0) / 2**20:.0f} MiB for the "
             f"KV cache after the weights ({weights_bytes / 2**20:.0f} MiB) and the runtime overhead "
-            f"({CPU_RUNTIME_OVERHEAD_BYTES / 2**20:.0f} MiB), but one request of max_model_len needs "
+            f"({overhead / 2**20:.0f} MiB), but one request of max_model_len needs "
             f"{min_kv_bytes / 2**20:.0f} MiB. Raise the memory limit, lower --max-model-len, or set "
             "--kv-cache-memory (or --num-kv-blocks) explicitly."))
     budget = min(CPU_KV_CACHE_MAX_BYTES, left)
     logger.info("KV cache: %.2f GiB = cgroup memory limit %.2f GiB - weights %.2f GiB - runtime overhead %.2f GiB"
                 "%s; set --kv-cache-memory to choose another size", budget / 2**30, limit / 2**30,
-                weights_bytes / 2**30, CPU_RUNTIME_OVERHEAD_BYTES / 2**30,
+                weights_bytes / 2**30, overhead / 2**30,
                 f", capped at {CPU_KV_CACHE_MAX_BYTES / 2**30:.0f} GiB" if budget < left else "")
     return budget
 

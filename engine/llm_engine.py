@@ -1,7 +1,7 @@
 """LLMEngine: the synchronous step loop.
 
     scheduler_output = scheduler.schedule()
-    runner_output    = model_runner.execute(scheduler_output)
+    runner_output    = executor.execute(scheduler_output)       # every rank's model runner
     updates          = scheduler.update_from_output(scheduler_output, runner_output)
 
 plus what the user sees: detokenized, stop-string-checked RequestOutput deltas and stats records.
@@ -17,10 +17,9 @@ from typing import Sequence
 from kvserve.engine.admission import AdmissionCheck
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.executor import Executor
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.parallel import TensorParallelRunner
 from kvserve.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from kvserve.engine.stats import EngineLoad, StatsListener, StepStats
 from kvserve.engine.text.tokenizer import Tokenizer
@@ -41,7 +40,7 @@ class LLMEngine:
         model_config: ModelConfig,
         tokenizer: Tokenizer,
         scheduler: Scheduler,
-        model_runner: ModelRunner,
+        executor: Executor,
         stats_listeners: Sequence[StatsListener] = (),
     ) -> None:
         self.config = config
@@ -49,7 +48,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = end_of_generation_ids(model_config, tokenizer.eos_token_id)
         self.scheduler = scheduler
-        self.model_runner = model_runner
+        self.executor = executor
         self.admission = AdmissionCheck(scheduler.config, model_config.vocab_size)
         self.stats_listeners = list(stats_listeners)
         self.tracker = OutputTracker(tokenizer)
@@ -63,7 +62,7 @@ class LLMEngine:
         from kvserve.engine.engine_builder import build_engine_parts
 
         parts = build_engine_parts(config)
-        return cls(config, parts.model_config, parts.tokenizer, parts.scheduler, parts.model_runner, stats_listeners)
+        return cls(config, parts.model_config, parts.tokenizer, parts.scheduler, parts.executor, stats_listeners)
 
     @property
     def max_model_len(self) -> int:
@@ -157,8 +156,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (daemon processes: they would also end with
         this process). The engine cannot step afterwards."""
-        if isinstance(self.model_runner, TensorParallelRunner):
-            self.model_runner.close()
+        self.executor.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -185,9 +183,9 @@ class LLMEngine:
             self.tracker.mark_scheduled(new.request_id, start)
         prompt_tokens = self._prompt_tokens(scheduler_output) if self.stats_listeners else 0
         token_mask = self.structured_output.token_mask(scheduler_output)
-        # Unconstrained steps (nearly all) call the runner exactly as before.
-        runner_output = (self.model_runner.execute(scheduler_output) if token_mask is None
-                         else self.model_runner.execute(scheduler_output, token_mask))
+        # Unconstrained steps (nearly all) call the executor exactly as before.
+        runner_output = (self.executor.execute(scheduler_output) if token_mask is None
+                         else self.executor.execute(scheduler_output, token_mask))
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.monotonic()
         for child_id, piece in runner_output.prompt_logprobs.items():

@@ -8,7 +8,6 @@ this module never creates one (engine/parallel does).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -69,11 +68,3 @@ def valid_sizes(config: ModelConfig) -> list[int]:
     common = math.gcd(config.num_heads, config.num_kv_heads, config.intermediate_size)
     return [n for n in range(1, common + 1) if common % n == 0]
 
-
-def rank_model_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """The shape one rank computes: its share of the heads and of the MLP. The KV cache of a rank
-    is allocated from it ([blocks, num_kv_heads / N, block_size, head_dim])."""
-    check_tensor_parallel(config, world_size)
-    return dataclasses.replace(config, num_heads=config.num_heads // world_size,
-                               num_kv_heads=config.num_kv_heads // world_size,
-                               intermediate_size=config.intermediate_size // world_size)

@@ -11,6 +11,8 @@ The branch is on the row count, a shape, so torch.compile guards on it rather th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,10 +21,19 @@ from torch import nn
 PACKED_MAX_ROWS = 16
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scale [N] in float32) with weight ~= q * scale[:, None]."""
+# Combines a row-parallel rank's per-channel maxima with its peers' (their elementwise maximum).
+ReduceMax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def quantize_int8(weight: torch.Tensor, reduce_max: ReduceMax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], scale [N] in float32) with weight ~= q * scale[:, None].
+    reduce_max: for a slice of K (a row-parallel rank's), the maximum over every rank's slice,
+    so that each channel's scale, and therefore every int8 value, is the unsharded layer's."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+    amax = w.abs().amax(dim=1)
+    if reduce_max is not None:
+        amax = reduce_max(amax)
+    scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -39,9 +50,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, reduce_max: ReduceMax | None = None) -> "Int8Linear":
         dtype = linear.weight.dtype
-        q, scale = quantize_int8(linear.weight)
+        q, scale = quantize_int8(linear.weight, reduce_max)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale.to(dtype), bias)
 

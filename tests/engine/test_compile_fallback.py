@@ -27,7 +27,7 @@ def test_without_a_cxx_compiler_the_forward_runs_eagerly_and_says_so(
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="kvserve.engine.engine_builder"):
         parts = build_engine_parts(_tiny_config(tmp_path))
-    assert parts.model_runner.compiled is False
+    assert parts.executor.driver.runner.compiled is False
     assert "no C++ compiler" in caplog.text and "no-such-compiler" in caplog.text
 
 
@@ -42,7 +42,7 @@ def test_a_compiler_without_torch_headers_runs_the_forward_eagerly_and_says_so(
     monkeypatch.setattr(cpu_kernel_build, "TORCH_DIR", tmp_path / "stripped-torch")
     with caplog.at_level(logging.WARNING, logger="kvserve.engine.engine_builder"):
         parts = build_engine_parts(_tiny_config(tmp_path))
-    assert parts.model_runner.compiled is False
+    assert parts.executor.driver.runner.compiled is False
     assert "torch's C++ headers are missing" in caplog.text
 
 
@@ -52,7 +52,7 @@ def test_enforce_eager_needs_no_warning(
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="kvserve.engine.engine_builder"):
         parts = build_engine_parts(_tiny_config(tmp_path, enforce_eager=True))
-    assert parts.model_runner.compiled is False
+    assert parts.executor.driver.runner.compiled is False
     assert "no C++ compiler" not in caplog.text
 
 
@@ -69,7 +69,7 @@ def test_a_second_start_finds_its_graphs_in_the_cache_and_says_so(
         torch._dynamo.reset()  # a fresh process: nothing compiled in memory
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="kvserve.engine.compilation"):
-            assert build_engine_parts(config).model_runner.compiled
+            assert build_engine_parts(config).executor.driver.runner.compiled
         (line,) = [r.getMessage() for r in caplog.records if "forward compiled in" in r.getMessage()]
         counts.append(tuple(int(n) for n in re.findall(r"(\d+) (?:hits|misses)", line)))
     (first_hits, first_misses), (second_hits, second_misses) = counts

@@ -70,13 +70,13 @@ def assert_matches_transformers(llm: LLM, prompt_ids, references) -> None:
 
 
 def test_default_settings_match_transformers(default_llm, prompt_ids, references):
-    assert default_llm.engine.model_runner.compiled, "the default on CPU is the compiled forward"
+    assert default_llm.engine.executor.driver.runner.compiled, "the default on CPU is the compiled forward"
     assert_matches_transformers(default_llm, prompt_ids, references)
 
 
 def test_enforce_eager_matches_transformers(prompt_ids, references):
     llm = LLM(dtype="float32", enforce_eager=True)
-    assert not llm.engine.model_runner.compiled
+    assert not llm.engine.executor.driver.runner.compiled
     assert_matches_transformers(llm, prompt_ids, references)
 
 
@@ -112,7 +112,7 @@ def test_fp8_kv_cache_stores_e4m3_and_keeps_the_first_greedy_tokens(prompt_ids, 
     """fp8 KV costs accuracy (benchmarks/fp8_kv_accuracy.py measures how much); the first token
     after the prompt must still mostly agree with transformers'."""
     llm = LLM(dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=256, max_model_len=512)
-    key_cache, value_cache = llm.engine.model_runner.kv_caches[0]
+    key_cache, value_cache = llm.engine.executor.driver.runner.kv_caches[0]
     assert key_cache.dtype == value_cache.dtype == torch.float8_e4m3fn
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     agree = sum(o.outputs[0].token_ids[0] == r.token_ids[0] for o, r in zip(outputs, references))

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
-from kvserve.engine.engine_builder import kv_cache_config_for
+from kvserve.engine.worker.kv_cache_sizing import kv_cache_config_for
 from kvserve.engine.model_runner import ModelRunner, StepInputs
 from kvserve.engine.quantization.quantize_model import quantize_model
 from kvserve.kernels import TorchAttentionBackend

@@ -10,7 +10,7 @@ from torch import nn
 
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.packed_linear import PackedLinear, pack_linear_weights, weight_packing_supported
-from kvserve.engine.engine_builder import kv_cache_config_for
+from kvserve.engine.worker.kv_cache_sizing import kv_cache_config_for
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kernels import TorchAttentionBackend
 from tests.engine.test_model_runner import CONFIG, PLAN, fresh_seqs, run_steps

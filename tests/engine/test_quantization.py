@@ -180,3 +180,18 @@ def test_engine_config_refuses_bad_values(kwargs, option) -> None:
     with pytest.raises(ConfigError) as error:
         EngineConfig(**kwargs)
     assert error.value.option == option
+
+
+def test_a_row_parallel_slice_quantizes_to_the_unsharded_layers_int8_values() -> None:
+    """A rank holding half of each row's inputs gets the whole row's scale from its peers'
+    maxima (RowParallelLinear.reduce_max), so its int8 values are the unsharded layer's slice."""
+    torch.manual_seed(0)
+    weight = torch.randn(24, 64)
+    q, scale = quantize_int8(weight)
+    halves = weight.chunk(2, dim=1)
+    for rank, half in enumerate(halves):
+        peer_max = halves[1 - rank].abs().amax(dim=1)
+        q_rank, scale_rank = quantize_int8(half, lambda amax: torch.maximum(amax, peer_max))
+        assert torch.equal(q_rank, q.chunk(2, dim=1)[rank]) and torch.equal(scale_rank, scale)
+    # Alone, a half gets its own (finer) scales: a different int8 model than the unsharded one.
+    assert not torch.equal(quantize_int8(halves[0])[0], q.chunk(2, dim=1)[0])

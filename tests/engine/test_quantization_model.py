@@ -29,7 +29,7 @@ def bf16_tokens() -> list[list[int]]:
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_greedy_text_agrees_with_bf16(mode, bf16_tokens) -> None:
     llm = LLM(dtype="bfloat16", quantization=mode, num_kv_blocks=128, max_model_len=512)
-    layer = llm.engine.model_runner.model.layers[0]
+    layer = llm.engine.executor.driver.runner.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, Int8Linear if mode == "int8" else Int4Linear)
     tokens = _greedy(llm)
     agreeing = sum(next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))

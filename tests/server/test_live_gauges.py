@@ -45,7 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Asyn
                           num_kv_blocks=NUM_BLOCKS, max_model_len=512)
     metrics = ServerMetrics("tiny", metrics_info(config))
     engine = AsyncEngine.from_config(config, [metrics])
-    slow_down(engine.engine.model_runner, STEP_DELAY_S)
+    slow_down(engine.engine.executor.driver.runner, STEP_DELAY_S)
     engine.start()
     with live_server(build_app(engine, ServerSettings(), metrics=metrics)) as url:
         yield url, engine

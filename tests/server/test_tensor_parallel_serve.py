@@ -32,7 +32,8 @@ def test_serve_with_two_ranks_answers_and_stops_its_workers(tmp_path: Path) -> N
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [str(Path(sys.executable).parent / "kvserve"), "serve", "--model", str(model), "--port", str(port),
-            "--tensor-parallel-size", "2", "--dtype", "float32", "--num-kv-blocks", "64", "--served-model-name", "tiny"]
+            "--tensor-parallel-size", "2", "--dtype", "float32", "--num-kv-blocks", "64", "--served-model-name", "tiny",
+            "--enforce-eager"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with background_process(argv, tmp_path / "kvserve.log", f"{url}/health", env=env) as server:
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0}

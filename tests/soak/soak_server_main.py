@@ -22,7 +22,7 @@ class InjectedFault(RuntimeError):
 def faulty_engine_factory(fault_file: Path):
     def build(config: EngineConfig, listeners: Sequence[StatsListener]) -> AsyncEngine:
         engine = AsyncEngine.from_config(config, listeners)
-        runner = engine.engine.model_runner
+        runner = engine.engine.executor.driver.runner
         execute = runner.execute
 
         def execute_or_fail(scheduler_output):
