@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,35 @@ def test_tp2_quantized_equals_tp1_quantized(tiny_gqa: Path, mode: str) -> None:
     reference = _greedy(tiny_gqa, 1, PROMPTS, 16, **engine_args)
     assert _not_degenerate(reference)
     _assert_close(_greedy(tiny_gqa, 2, PROMPTS, 16, **engine_args), reference, FLOAT32_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_what_rank_0_sends_a_worker_per_step_does_not_grow_with_the_output(tiny_gqa: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bytes each step puts on a worker's pipe (the pickled SchedulerOutput, as Connection.send
+    pickles it): a decode step at output token 500 costs what one at token 10 does."""
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_gqa), dtype="float32", num_kv_blocks=64,
+                                                max_model_len=512, tensor_parallel_size=2, enforce_eager=True))
+    try:
+        workers = engine.executor.workers
+        send, sizes = workers.send, []
+
+        def measured(output):
+            sizes.append(len(ForkingPickler.dumps(output)))
+            send(output)
+
+        monkeypatch.setattr(workers, "send", measured)
+        engine.add_request("a", list(range(3, 13)), SamplingParams(temperature=0, max_tokens=501, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.close()
+    # Step 1 prefills the 10-token prompt (and carries it); step n > 1 computes position 8 + n:
+    # neither step 10 nor step 500 starts a block (16 tokens), so neither carries a block id.
+    print(f"bytes sent to a worker: step 1 {sizes[0]}, step 10 {sizes[9]}, step 500 {sizes[499]}")
+    assert sizes[0] > sizes[9]
+    # A few bytes of integers that grew (positions, token ids) at most.
+    assert abs(sizes[499] - sizes[9]) <= 8, (sizes[9], sizes[499])
 
 
 @pytest.mark.slow
