@@ -2,7 +2,8 @@
 
     event loop (server)                      engine thread
     ───────────────────                      ─────────────
-    generate(): tokenize ───────────cmd──►  add_request (admission check)
+    check_request: grammar ──► compile thread (engine/structured_output/grammar_compiler.py)
+    generate(): tokenize ───────────cmd──►  add_request (admission check; the compiled grammar)
                  await queue.get() ◄─out───  step() ... step()
     client gone: abort ─────────────cmd──►  abort_request (before the next step)
 
@@ -22,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -144,11 +145,19 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None) -> None:
-        """The engine's admission check, callable from the event loop (it reads only immutable
-        facts): a caller that must refuse before it answers (the HTTP server) runs it first."""
-        self.engine.check_request(prompt_token_ids, sampling_params, priority=priority, cache_salt=cache_salt)
+    async def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                            priority: int = 0, cache_salt: str | None = None) -> None:
+        """The engine's admission check, for the event loop (it reads only immutable facts): a
+        caller that must refuse before it answers (the HTTP server) runs it first. A constraint
+        is compiled meanwhile on the compile threads (a bad one raises StructuredOutputError);
+        generate then finds it in the cache."""
+        self.engine.admission.check(prompt_token_ids, sampling_params, priority=priority, cache_salt=cache_salt)
+        await self._grammar(sampling_params)
+
+    async def _grammar(self, params: SamplingParams) -> Any:
+        if params.structured_output is None:
+            return None
+        return await asyncio.wrap_future(self.engine.grammar_compiler.compile_async(params.structured_output))
 
     async def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
@@ -158,6 +167,7 @@ class AsyncEngine:
         from the first iteration, before any output."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}") from self.dead_error
+        grammar = await self._grammar(sampling_params)  # off the engine thread, which only matches
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
@@ -172,7 +182,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has failed: {self.dead_error}") from self.dead_error
         arrival = time.monotonic()
         self._submit(lambda: self._add(request_id, text, token_ids, sampling_params, priority, cache_salt, arrival,
-                                       stream))
+                                       grammar, stream))
         finished = False
         try:
             while True:
@@ -195,11 +205,12 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _add(self, request_id, text, token_ids, params, priority, cache_salt, arrival, stream: _Stream) -> None:
+    def _add(self, request_id, text, token_ids, params, priority, cache_salt, arrival, grammar,
+             stream: _Stream) -> None:
         try:
             self.engine.add_request(request_id, text if text is not None else token_ids, params,
                                     arrival_time=arrival, priority=priority, cache_salt=cache_salt,
-                                    prompt_token_ids=token_ids)
+                                    prompt_token_ids=token_ids, grammar=grammar)
         except ValueError as error:  # the admission check refused it (or a duplicate id)
             stream.put(error)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvserve.engine.admission import AdmissionCheck
 from kvserve.engine.config import EngineConfig
@@ -20,7 +20,7 @@ from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.executor import Executor
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.structured_output import GrammarCompiler, StructuredOutputManager
+from kvserve.engine.structured_output import GrammarCompiler, StructuredOutputManager, XGrammarCompile
 from kvserve.engine.stats import EngineLoad, StatsListener, StepStats
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler import Scheduler
@@ -52,8 +52,8 @@ class LLMEngine:
         self.admission = AdmissionCheck(scheduler.config, model_config.vocab_size)
         self.stats_listeners = list(stats_listeners)
         self.tracker = OutputTracker(tokenizer)
-        self.structured_output = StructuredOutputManager(
-            GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids))
+        self.grammar_compiler = GrammarCompiler(XGrammarCompile(tokenizer, model_config.vocab_size, self.eos_token_ids))
+        self.structured_output = StructuredOutputManager(model_config.vocab_size)
         self._seed_rng = random.Random(config.seed)
         self._last_prefix_stats = (0, 0)
 
@@ -75,10 +75,11 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
                       cache_salt: str | None = None) -> None:
         """Raises AdmissionError (naming the parameter) for a request the engine would not take;
-        add_request runs it for every request, and callers may run it earlier."""
+        add_request runs it for every request, and callers may run it earlier. A constraint is
+        compiled here, on the caller's thread (AsyncEngine compiles on its own threads instead)."""
         self.admission.check(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
         if params.structured_output is not None:
-            self.structured_output.check(params.structured_output)  # StructuredOutputError names the field
+            self.grammar_compiler.compile(params.structured_output)  # StructuredOutputError names the field
 
     def add_request(
         self,
@@ -90,11 +91,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
+        grammar: Any = None,
     ) -> None:
         """`prompt` is text or token ids; a caller that already tokenized the text passes the ids
         too, so the text is kept for the output without being encoded twice. `priority` orders the
         request under priority scheduling (lower runs first); `cache_salt` keeps its prefix-cache
-        entries apart from requests with another salt (or none)."""
+        entries apart from requests with another salt (or none). `grammar`: params.structured_output
+        compiled already (GrammarCompiler), so this thread does not compile it."""
         if request_id in self.tracker.groups:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         text = prompt if isinstance(prompt, str) else None
@@ -104,7 +107,9 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        self.check_request(token_ids, params, priority=priority, cache_salt=cache_salt)
+        self.admission.check(token_ids, params, priority=priority, cache_salt=cache_salt)
+        if params.structured_output is not None and grammar is None:
+            grammar = self.grammar_compiler.compile(params.structured_output)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = [
             Request(
@@ -123,8 +128,8 @@ class LLMEngine:
         ]
         self.tracker.add(request_id, text, requests)
         for request in requests:
-            if params.structured_output is not None:
-                self.structured_output.add(request.request_id, params.structured_output)
+            if grammar is not None:
+                self.structured_output.add(request.request_id, grammar)
             self.scheduler.add_request(request)
 
     def _seed_for(self, params: SamplingParams, index: int) -> int:
@@ -155,7 +160,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (daemon processes: they would also end with
-        this process). The engine cannot step afterwards."""
+        this process) and the grammar compile threads. The engine cannot step afterwards."""
+        self.grammar_compiler.close()
         self.executor.close()
 
     def has_unfinished_requests(self) -> bool:

@@ -53,7 +53,7 @@ def messages_router(state: ServingState) -> APIRouter:
         note_ignored(request, body.unknown_fields() + translated.ignored)
         message_id = new_item_id("msg")
         with fields_named(CHAT_FIELD_NAMES):
-            plan = plan_chat(state, engine, translated.chat, message_id)
+            plan = await plan_chat(state, engine, translated.chat, message_id)
         shape = MessagesShape(message_id, engine.config.model_name, plan.answer, len(plan.job.prompt_token_ids),
                               body.stop_sequences or [])
         return await respond_with_events(request, state, engine, [plan.job], 1, body.stream, shape)

@@ -57,7 +57,7 @@ def chat_router(state: ServingState) -> APIRouter:
     async def create_chat_completion(request: Request) -> Response:
         body, engine = await read_generation_request(request, state, ChatCompletionRequest)
         response_id = new_id("chatcmpl")
-        plan = plan_chat(state, engine, body, response_id)
+        plan = await plan_chat(state, engine, body, response_id)
         formatter = _ChatFormatter(body.n, plan.top_logprobs, engine.tokenizer, response_id, now_s(),
                                    engine.config.model_name, plan.answer)
         return await respond(request, state, engine, [plan.job], body, formatter)
@@ -73,7 +73,7 @@ def chat_prompt(state: ServingState, engine: ServingEngine, body: ChatCompletion
     return ChatPrompt(text, engine.tokenizer.encode(text, add_special_tokens=False), tools)
 
 
-def plan_chat(state: ServingState, engine: ServingEngine, body: ChatCompletionRequest, request_id: str) -> ChatPlan:
+async def plan_chat(state: ServingState, engine: ServingEngine, body: ChatCompletionRequest, request_id: str) -> ChatPlan:
     """Everything a chat request is checked for, then its admission: the one chat path that the
     Responses and Messages endpoints take too, with their requests translated into this one."""
     limits = state.settings.limits
@@ -99,7 +99,7 @@ def plan_chat(state: ServingState, engine: ServingEngine, body: ChatCompletionRe
         base = replace(base, structured_output=constraint.params)
         renamed["structured_output"] = constraint.param
     params = with_max_tokens(base, resolve_max_tokens(len(prompt.token_ids), requested, engine.max_model_len, limits))
-    admit(engine, prompt.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, renamed=renamed)
+    await admit(engine, prompt.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, renamed=renamed)
     job = GenerationJob(f"{request_id}-0", prompt.text, prompt.token_ids, params, body.priority, body.cache_salt)
     return ChatPlan(job, AnswerFormat(prompt.tools, starts_open), top_logprobs)
 

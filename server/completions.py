@@ -53,7 +53,7 @@ def completions_router(state: ServingState) -> APIRouter:
         for i, p in enumerate(prompts):
             params = with_max_tokens(base, resolve_max_tokens(len(p.token_ids), max_tokens,
                                                               engine.max_model_len, limits))
-            admit(engine, p.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, renamed=renamed)
+            await admit(engine, p.token_ids, params, priority=body.priority, cache_salt=body.cache_salt, renamed=renamed)
             text = p.text if p.text is not None else engine.tokenizer.decode(p.token_ids, skip_special_tokens=False)
             jobs.append(GenerationJob(f"{response_id}-{i}", text, p.token_ids, params, body.priority, body.cache_salt))
         formatter = _CompletionFormatter(body, engine.tokenizer, jobs, response_id, now_s(),

@@ -60,9 +60,10 @@ class ServingEngine(Protocol):
     @property
     def load(self) -> EngineLoad: ...
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *, priority: int = 0,
-                      cache_salt: str | None = None) -> None:
-        """Raises AdmissionError for a request the engine would refuse."""
+    async def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                            priority: int = 0, cache_salt: str | None = None) -> None:
+        """Raises AdmissionError for a request the engine would refuse (awaited: compiling a
+        constraint takes time, spent off the event loop)."""
 
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
                  *, priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...

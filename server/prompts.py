@@ -73,12 +73,13 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
     return min(room, limits.max_tokens) if room > 0 else None
 
 
-def admit(engine: ServingEngine, token_ids: list[int], params: SamplingParams, *, priority: int,
-          cache_salt: str | None, renamed: Mapping[str, str] | None = None) -> None:
-    """The engine's admission check; a refusal becomes a 400 naming the request's field.
+async def admit(engine: ServingEngine, token_ids: list[int], params: SamplingParams, *, priority: int,
+                cache_salt: str | None, renamed: Mapping[str, str] | None = None) -> None:
+    """The engine's admission check (a constraint compiles meanwhile, off the event loop); a
+    refusal becomes a 400 naming the request's field.
     `renamed`: engine fields this request spells otherwise (chat's budget may be
     max_completion_tokens; a constraint is named by the field it came from)."""
     try:
-        engine.check_request(token_ids, params, priority=priority, cache_salt=cache_salt)
+        await engine.check_request(token_ids, params, priority=priority, cache_salt=cache_salt)
     except AdmissionError as error:
         raise refused(error, renamed) from None

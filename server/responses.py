@@ -44,7 +44,7 @@ def responses_router(state: ServingState, store: ResponsesStore | None) -> APIRo
         engine = state.ready_engine()
         response_id = new_item_id("resp")
         with fields_named(CHAT_FIELD_NAMES):
-            plan = plan_chat(state, engine, translated.chat, response_id)
+            plan = await plan_chat(state, engine, translated.chat, response_id)
         keep = store is not None and body.store
 
         def on_finished(response: dict[str, Any], output: ResponsesOutput) -> None:

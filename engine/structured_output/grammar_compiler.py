@@ -1,102 +1,89 @@
-"""Compiles a request's StructuredOutputParams into an xgrammar grammar over this model's vocabulary.
+"""Grammar compiles off the caller's thread, with a bounded cache by spec.
 
-The vocabulary is given to xgrammar as each token's raw bytes, so the same code serves byte-level
-BPE, sentencepiece and GGUF tokenizers. Special tokens get no bytes (no grammar can produce
-them); the end-of-generation ids are the grammar's stop tokens, allowed once it is complete.
-Compiled grammars are cached by spec: clients repeat the same schema across many requests.
+A schema can take seconds to compile; done on the server's event loop it would stall every
+stream, and done on the engine thread every step. So compiles run on a small thread pool of
+their own, and callers wait on a future:
+
+    server (event loop)   await AsyncEngine.check_request ── compile_async ──► compile thread
+    engine thread         add_request(grammar=<the compiled grammar>)  (builds a matcher only)
+
+The engine thread never touches the cache in a server: it is handed the compiled grammar. The
+lock below guards the cache's dict only and is never held while compiling.
+
+Compiled grammars, and compiles in flight, are cached by spec (the `cache_size` most recently
+used): clients repeat the same schema across many requests, and two requests sending one schema
+at once share one compile. A spec that fails to compile is not kept.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
 
-from kvserve.engine.admission import AdmissionError
-from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.scheduler.structured_output_params import GrammarKind, StructuredOutputParams
 
-if TYPE_CHECKING:
-    import xgrammar as xgr
+Grammar = TypeVar("Grammar")
 
-_CACHE_SIZE = 64
-
-
-class StructuredOutputError(AdmissionError):
-    """A constraint the grammar engine cannot compile (its field: "structured_output")."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "structured_output")
+DEFAULT_CACHE_SIZE = 64
+# Two: one slow schema does not hold up every other constrained request, and a 2-core machine
+# still has a core for the engine's steps.
+DEFAULT_COMPILE_THREADS = 2
 
 
-class GrammarCompiler:
-    """Built lazily (the vocabulary pass costs a fraction of a second on a 50k vocabulary, which
-    engines that never see a constrained request should not pay). The server checks requests on
-    its event loop while the engine thread adds them, so compiling and the cache take a lock."""
+class GrammarCompiler(Generic[Grammar]):
+    """`compile_grammar(params)` does the work (XGrammarCompile in the engine; tests inject their
+    own); it raises StructuredOutputError for a spec that cannot be compiled."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.stop_token_ids = list(stop_token_ids)
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[GrammarKind, str], xgr.CompiledGrammar] = OrderedDict()
+    def __init__(self, compile_grammar: Callable[[StructuredOutputParams], Grammar], *,
+                 cache_size: int = DEFAULT_CACHE_SIZE, threads: int = DEFAULT_COMPILE_THREADS) -> None:
+        if cache_size < 1 or threads < 1:
+            raise ValueError(f"cache_size and threads must be at least 1, got {cache_size} and {threads}")
+        self._compile_grammar = compile_grammar
+        self.cache_size = cache_size
+        self._threads = threads
+        self._cache: OrderedDict[tuple[GrammarKind, str], Future[Grammar]] = OrderedDict()
         self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None  # started on the first compile
 
-    def _grammar_compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            # Imported on first use: xgrammar pulls in transformers, seconds of start-up that
-            # engines never asked for a grammar should not pay.
-            import xgrammar as xgr
-
-            tokenizer = self.tokenizer
-            encoded = [b"" if i in tokenizer.special_token_ids else tokenizer.token_to_bytes(i)
-                       for i in range(min(tokenizer.vocab_size, self.vocab_size))]
-            info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=self.vocab_size,
-                                     stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
-
-    def compile(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
-        with self._lock:
-            return self._compile_cached(params)
-
-    def _compile_cached(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
+    def compile_async(self, params: StructuredOutputParams) -> Future[Grammar]:
+        """The compiled grammar, or the compile under way; its result raises StructuredOutputError
+        when the spec cannot be compiled. Returns at once; safe from any thread."""
         key = (params.kind, params.spec)
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            return cached
-        try:
-            compiled = self._compile(self._grammar_compiler(), params)
-        except (RuntimeError, ValueError, TypeError) as error:  # xgrammar reports bad specs so
-            raise StructuredOutputError(f"the {params.kind.value} constraint cannot be compiled: {error}") from None
-        self._cache[key] = compiled
-        if len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
-        return compiled
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kvserve-grammar")
+            future = self._executor.submit(self._compile_grammar, params)
+            self._cache[key] = future
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)  # a compile in flight still completes for its waiters
+        future.add_done_callback(lambda done: self._forget_if_failed(key, done))
+        return future
 
-    @staticmethod
-    def _compile(compiler: xgr.GrammarCompiler, params: StructuredOutputParams) -> xgr.CompiledGrammar:
-        # Compact JSON (no free whitespace): a small model given free whitespace can loop on it.
-        match params.kind:
-            case GrammarKind.JSON_SCHEMA:
-                return compiler.compile_json_schema(params.spec, any_whitespace=False, strict_mode=True)
-            case GrammarKind.JSON_OBJECT:
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            case GrammarKind.REGEX:
-                return compiler.compile_regex(params.spec)
-            case GrammarKind.CHOICE:
-                return compiler.compile_grammar(choice_grammar(json.loads(params.spec)))
-            case GrammarKind.GRAMMAR:
-                return compiler.compile_grammar(params.spec)
-        raise ValueError(f"unknown grammar kind {params.kind!r}")
+    def compile(self, params: StructuredOutputParams) -> Grammar:
+        """compile_async, waited for: for callers with nothing else to do meanwhile (offline LLM)."""
+        return self.compile_async(params).result()
 
+    def __len__(self) -> int:
+        """Specs cached (compiled or compiling)."""
+        with self._lock:
+            return len(self._cache)
 
-def choice_grammar(choices: Sequence[str]) -> str:
-    """EBNF accepting exactly one of `choices`. JSON string syntax is valid EBNF string syntax
-    for xgrammar, so json.dumps escapes quotes, backslashes and control characters."""
-    if not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError("choices must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    def close(self) -> None:
+        """Stops the compile threads; a compile under way finishes in the background."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def _forget_if_failed(self, key: tuple[GrammarKind, str], future: Future[Grammar]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]

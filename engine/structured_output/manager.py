@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.engine.structured_output.grammar_compiler import GrammarCompiler
 from kvserve.engine.structured_output.token_mask import TokenMask
 from kvserve.scheduler.output import SchedulerOutput
-from kvserve.scheduler.structured_output_params import StructuredOutputParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -25,18 +23,15 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self.compiler = compiler
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
 
-    def check(self, params: StructuredOutputParams) -> None:
-        """Raises StructuredOutputError when `params` cannot be compiled (caches it otherwise)."""
-        self.compiler.compile(params)
+    def add(self, request_id: str, grammar: xgr.CompiledGrammar) -> None:
+        """A matcher for one completion, over a grammar compiled already (GrammarCompiler)."""
+        import xgrammar as xgr  # loaded by the compile already; see xgrammar_grammars.py
 
-    def add(self, request_id: str, params: StructuredOutputParams) -> None:
-        import xgrammar as xgr  # loaded by compile() already; see grammar_compiler.py
-
-        self._matchers[request_id] = xgr.GrammarMatcher(self.compiler.compile(params))
+        self._matchers[request_id] = xgr.GrammarMatcher(grammar)
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -52,9 +47,9 @@ class StructuredOutputManager:
         rows = [i for i, r in enumerate(sampling) if r.request_id in self._matchers]
         if not rows:
             return None
-        import xgrammar as xgr  # loaded by compile() already; see grammar_compiler.py
+        import xgrammar as xgr  # loaded by the compile already; see xgrammar_grammars.py
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for j, i in enumerate(rows):
             self._matchers[sampling[i].request_id].fill_next_token_bitmask(bitmask, j)
         return TokenMask(torch.tensor(rows, dtype=torch.int64), bitmask)

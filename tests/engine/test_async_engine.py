@@ -1,6 +1,7 @@
 """AsyncEngine's thread bridge, over a scripted stand-in for LLMEngine (no model): outputs reach
-the awaiting coroutine, an abandoned stream aborts its request, and a failing step fails every
-in-flight request with EngineDeadError instead of hanging."""
+the awaiting coroutine, an abandoned stream aborts its request, a failing step fails every
+in-flight request with EngineDeadError instead of hanging, and a grammar compiles on the compile
+threads while other requests stream."""
 
 from __future__ import annotations
 
@@ -9,21 +10,41 @@ import threading
 
 import pytest
 
-from kvserve.engine import AdmissionError, AsyncEngine, EngineDeadError, SamplingParams
+from kvserve.engine import (AdmissionError, AsyncEngine, EngineDeadError, GrammarKind, SamplingParams,
+                            StructuredOutputParams)
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.stats import EngineLoad
+from kvserve.engine.structured_output import GrammarCompiler, StructuredOutputError
+
+
+def _compile_regex(params: StructuredOutputParams) -> str:
+    if params.spec == "(":
+        raise StructuredOutputError("the regex constraint cannot be compiled: unbalanced")
+    return f"grammar for {params.spec}"
+
+
+class _Admission:
+    @staticmethod
+    def check(prompt_token_ids, params, *, priority=0, cache_salt=None) -> None:
+        if not prompt_token_ids:  # stands in for the admission check
+            raise AdmissionError("The prompt is empty: give at least one token.", "prompt")
 
 
 class ScriptedEngine:
-    """Each request yields `tokens_per_request` tokens, one per step; `fail_at_step` raises."""
+    """Each request yields `tokens_per_request` tokens, one per step; `fail_at_step` raises.
+    Constraints compile with `compile_grammar`; `grammars` keeps what each request was given."""
 
-    def __init__(self, tokens_per_request: int = 3, fail_at_step: int | None = None) -> None:
+    def __init__(self, tokens_per_request: int = 3, fail_at_step: int | None = None,
+                 compile_grammar=_compile_regex) -> None:
         self.tokens_per_request = tokens_per_request
         self.fail_at_step = fail_at_step
         self.steps = 0
         self.requests: dict[str, list[int]] = {}
         self.aborted: list[str] = []
         self.lock = threading.Lock()
+        self.admission = _Admission()
+        self.grammar_compiler = GrammarCompiler(compile_grammar)
+        self.grammars: dict[str, object] = {}
 
     class tokenizer:  # noqa: N801 - stands in for the Tokenizer instance
         @staticmethod
@@ -31,9 +52,11 @@ class ScriptedEngine:
             return [ord(c) for c in text]
 
     def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None,
-                    prompt_token_ids=None) -> None:
-        if not prompt_token_ids:  # stands in for the admission check
-            raise AdmissionError("The prompt is empty: give at least one token.", "prompt")
+                    prompt_token_ids=None, grammar=None) -> None:
+        self.admission.check(prompt_token_ids, params)
+        assert (grammar is None) == (params.structured_output is None), "the engine thread must not compile"
+        if grammar is not None:
+            self.grammars[request_id] = grammar
         self.requests[request_id] = []
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
@@ -47,6 +70,7 @@ class ScriptedEngine:
 
     def close(self) -> None:
         """No worker processes to stop."""
+        self.grammar_compiler.close()
 
     def load(self) -> EngineLoad:
         return EngineLoad(len(self.requests), 0, 8, len(self.requests), 0, 8 - len(self.requests))
@@ -70,8 +94,20 @@ class ScriptedEngine:
         return RequestOutput(request_id, None, [1], [completion], finished=reason is not None)
 
 
-async def collect(engine: AsyncEngine, request_id: str, prompt: str = "hi") -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, SamplingParams(max_tokens=3), request_id)]
+async def collect(engine: AsyncEngine, request_id: str, prompt: str = "hi",
+                  params: SamplingParams | None = None) -> list[RequestOutput]:
+    params = SamplingParams(max_tokens=3) if params is None else params
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def check_then_collect(engine: AsyncEngine, request_id: str, params: SamplingParams) -> list[RequestOutput]:
+    """What the server does: the admission check (and the compile) first, then the stream."""
+    await engine.check_request([1], params)
+    return await collect(engine, request_id, params=params)
+
+
+def constrained(spec: str) -> SamplingParams:
+    return SamplingParams(max_tokens=3, structured_output=StructuredOutputParams(GrammarKind.REGEX, spec))
 
 
 @pytest.fixture
@@ -141,3 +177,47 @@ def test_a_refused_request_raises_from_generate_and_leaves_nothing_behind(run):
         asyncio.run(collect(engine, "r", prompt=""))  # "" tokenizes to no tokens
     assert refused.value.field == "prompt"
     assert scripted.requests == {} and engine.num_unfinished_requests == 0
+
+
+def test_a_slow_compile_stalls_neither_the_event_loop_nor_other_requests(run):
+    release, started = threading.Event(), threading.Event()
+    compiled_on: list[str] = []
+
+    def slow_compile(params: StructuredOutputParams) -> str:
+        compiled_on.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(60), "the test never released the compile"
+        return f"grammar for {params.spec}"
+
+    scripted = ScriptedEngine(tokens_per_request=3, compile_grammar=slow_compile)
+    engine = run(scripted)
+
+    async def main():
+        slow = asyncio.create_task(check_then_collect(engine, "slow", constrained("a+")))
+        twin = asyncio.create_task(check_then_collect(engine, "twin", constrained("a+")))  # the same spec
+        assert await asyncio.to_thread(started.wait, 30)
+        # The compile is still held: this loop, and the engine thread, serve another request meanwhile.
+        free = await asyncio.wait_for(collect(engine, "free"), 30)
+        assert not slow.done() and not twin.done()
+        release.set()
+        return free, await asyncio.wait_for(asyncio.gather(slow, twin), 30)
+
+    try:
+        free, (slow, twin) = asyncio.run(main())
+    finally:
+        release.set()
+    assert free[-1].finished and slow[-1].finished and twin[-1].finished
+    assert scripted.grammars == {"slow": "grammar for a+", "twin": "grammar for a+"}
+    assert len(compiled_on) == 1 and compiled_on[0].startswith("kvserve-grammar")  # one compile, shared
+
+
+def test_a_constraint_that_cannot_compile_is_refused_before_the_stream(run):
+    scripted = ScriptedEngine()
+    engine = run(scripted)
+    with pytest.raises(StructuredOutputError, match="cannot be compiled") as refused:
+        asyncio.run(check_then_collect(engine, "bad", constrained("(")))
+    assert refused.value.field == "structured_output"
+    with pytest.raises(StructuredOutputError):  # generate alone refuses it too, from its first iteration
+        asyncio.run(collect(engine, "bad", params=constrained("(")))
+    assert scripted.requests == {} and engine.num_unfinished_requests == 0
+    assert len(scripted.grammar_compiler) == 0  # a failed spec is not kept

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.engine import LLM, GrammarKind, SamplingParams, StructuredOutputParams
 from kvserve.engine.structured_output import TokenMask, apply_token_mask
-from kvserve.engine.structured_output.grammar_compiler import choice_grammar
+from kvserve.engine.structured_output.xgrammar_grammars import choice_grammar
 
 
 def test_token_mask_forbids_only_on_constrained_rows():

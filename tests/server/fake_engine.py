@@ -117,8 +117,8 @@ class FakeEngine:
     def fail(self, error: BaseException) -> None:
         self.dead_error = error
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *, priority: int = 0,
-                      cache_salt: str | None = None) -> None:
+    async def check_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                            priority: int = 0, cache_salt: str | None = None) -> None:
         self.admission.check(prompt_token_ids, sampling_params, priority=priority, cache_salt=cache_salt)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
