@@ -33,6 +33,11 @@ class AttentionMetadata:
     # Requests [0, num_decodes) are single-query decodes in query rows [0, num_decodes); the rest
     # are prompt chunks. Kernels use it to split the batch without reading the offsets.
     num_decodes: int
+    # The layer group's sliding window w (query p sees keys p - w + 1 .. p; the blocks wholly
+    # before a request's window are never read, their table entries may hold any id), or 0 for
+    # full attention. An int, never None, so that a compiled layer keeps it symbolic: window and
+    # global layers share one graph.
+    sliding_window: int = 0
     # What the backend's per-step `prepare` attached (the Triton launch plans and buffers that
     # every layer of the step reuses); None before prepare, and for backends that need nothing.
     prepared: Any = field(default=None, compare=False, repr=False)
@@ -58,6 +63,8 @@ class AttentionMetadata:
         if self.max_query_len < 1 or self.max_seq_len < self.max_query_len:
             raise ValueError(f"AttentionMetadata: need 1 <= max_query_len ({self.max_query_len}) <= "
                              f"max_seq_len ({self.max_seq_len})")
+        if self.sliding_window < 0:
+            raise ValueError(f"AttentionMetadata: sliding_window must be >= 0 (0: full attention), got {self.sliding_window}")
         if not 0 <= self.num_decodes <= num_seqs:
             raise ValueError(f"AttentionMetadata: num_decodes {self.num_decodes} is outside [0, {num_seqs}]")
 

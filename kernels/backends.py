@@ -95,10 +95,10 @@ class TorchAttentionBackend:
             # k_scale multiplies every score, v_scale every output: folded in, the cache is never touched.
             return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, m.block_tables, m.seq_lens,
                                                          m.query_start_loc, scale * check_scale("k_scale", self.k_scale),
-                                                         check_scale("v_scale", self.v_scale))
+                                                         check_scale("v_scale", self.v_scale), m.sliding_window)
         return custom_ops.torch_paged_attention(
             query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
-            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, self.validate,
+            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, self.validate,
         )
 
 
@@ -139,11 +139,12 @@ class TritonAttentionBackend:
             return triton_paged_attention(
                 query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
                 max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, num_decodes=m.num_decodes,
-                k_scale=self.k_scale, v_scale=self.v_scale, check_block_tables=self.debug, launches=m.prepared,
+                k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=m.sliding_window,
+                check_block_tables=self.debug, launches=m.prepared,
             )
         return custom_ops.triton_paged_attention(
             query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
-            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, self.debug,
+            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, self.debug,
         )
 
 

@@ -116,11 +116,16 @@ def paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     num_decodes: int | None = None,
+    sliding_window: int = 0,
     validate: bool = True,
 ) -> torch.Tensor:
     """Each request's queries are the last q_len positions of its seq_len-token context and
     attend causally to it (prefix hits and earlier chunks included). Returns [num_tokens,
     num_heads, the value cache's head_dim].
+
+    `sliding_window` w > 0: the query at position p sees keys p - w + 1 .. p only, and blocks
+    wholly before the window are never read (a window group gives them back: their table
+    entries may hold any id, paging/single_type_manager.py). 0: full attention.
 
     `num_decodes`: requests [0, num_decodes) are single-query decodes in query rows
     [0, num_decodes), the rest prompt chunks. `validate=False` skips the metadata *value* checks
@@ -141,14 +146,15 @@ def paged_attention(
     out_scale = check_scale("v_scale", v_scale)
     if on_kernel:
         try:
-            return cpu_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale)
+            return cpu_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale,
+                                       out_scale, sliding_window)
         except ValueError:
             # The kernel checked what it read and refused; the Python checks say what is wrong in kvserve's words.
             check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
             check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
             raise
     return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale,
-                            max_query_len, max_seq_len, num_decodes)
+                            max_query_len, max_seq_len, num_decodes, sliding_window)
 
 
 def torch_paged_attention(
@@ -165,13 +171,14 @@ def torch_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     num_decodes: int | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """`paged_attention` in plain torch on any device, always validated: the oracle."""
     check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                             scale * check_scale("k_scale", k_scale), check_scale("v_scale", v_scale),
-                            max_query_len, max_seq_len, num_decodes)
+                            max_query_len, max_seq_len, num_decodes, sliding_window)
 
 
 def _torch_attention(
@@ -186,14 +193,17 @@ def _torch_attention(
     max_query_len: int | None,
     max_seq_len: int | None,
     num_decodes: int | None,
+    window: int = 0,
 ) -> torch.Tensor:
+    if window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {window}")
     out = query.new_empty(*query.shape[:2], value_cache.shape[-1])
     num_seqs = seq_lens.shape[0]
     if query.shape[0] == 0:
         return out
     if max_query_len == 1 or num_decodes == num_seqs:  # a pure decode step: no need to read the offsets
         decode_seqs = torch.arange(num_seqs, device=query.device)
-        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len, window)
         return out
 
     if num_decodes is None:  # find the decodes among the requests
@@ -208,13 +218,13 @@ def _torch_attention(
         chunks = list(range(num_decodes, num_seqs))
         decode_seqs = decode_rows = torch.arange(num_decodes, device=query.device)
     if decode_seqs.numel():
-        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, decode_rows, score_scale, out_scale, None)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, decode_rows, score_scale, out_scale, None, window)
     lens = seq_lens.tolist() if chunks else []
     for i in chunks:
         if starts[i + 1] == starts[i]:
             continue  # a request with no tokens this step
         out[starts[i] : starts[i + 1]] = _chunk_attention(
-            query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale
+            query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale, window
         )
     return out
 
@@ -258,9 +268,12 @@ def _decode_batch(
     score_scale: float,
     out_scale: float,
     max_seq_len: int | None,
+    window: int = 0,
 ) -> None:
     num_kv_heads = key_cache.shape[1]
     longest = int(seq_lens[seqs].max()) if max_seq_len is None else max_seq_len
+    if window:  # a decode reads its window's blocks only
+        longest = min(longest, window + key_cache.shape[2] - 1)
     # Gathered K+V per request; batches whose gathered context would spill out of the CPU caches
     # run in slices (measured: one 50 MB gather was slower than a per-request loop).
     gathered_dims = key_cache.shape[3] + (0 if values_alias_keys(key_cache, value_cache) else value_cache.shape[3])
@@ -275,7 +288,7 @@ def _decode_batch(
     for index, first in enumerate(range(0, seqs.shape[0], slice_size)):
         last = first + slice_size
         _decode_slice(out, query, key_cache, value_cache, block_tables, lens[first:last], seqs[first:last],
-                      rows[first:last], score_scale, out_scale, int(slice_longest[index]))
+                      rows[first:last], score_scale, out_scale, int(slice_longest[index]), window)
 
 
 def _decode_slice(
@@ -290,20 +303,28 @@ def _decode_slice(
     score_scale: float,
     out_scale: float,
     longest: int,
+    window: int = 0,
 ) -> None:
     num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     lens = lens.long()
-    num_blocks = (longest + block_size - 1) // block_size
-    tables = block_tables[seqs, :num_blocks].long()
+    # With a window, request i reads from block first[i] on (its query at lens - 1 sees keys from
+    # lens - w on): at most ceil((w - 1) / B) + 1 blocks, whatever its length (`longest` is capped).
+    first = (lens - window).clamp_(min=0) // block_size if window else torch.zeros_like(lens)
+    num_blocks = min((longest + block_size - 1) // block_size, block_tables.shape[1])
+    logical = first.unsqueeze(1) + torch.arange(num_blocks, device=query.device)  # [n, num_blocks]
     # Entries past a sequence's last block are padding (possibly -1): point them at block 0; the
     # length mask hides whatever they hold.
-    in_use = torch.arange(num_blocks, device=query.device) < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    in_use = logical < ((lens + block_size - 1) // block_size).unsqueeze(1)
+    tables = block_tables[seqs].long().gather(1, logical.clamp(max=block_tables.shape[1] - 1))
     tables = torch.where(in_use, tables, torch.zeros_like(tables))
     k, v = _gather_keys_and_values(key_cache, value_cache, tables, query.dtype)  # [kv_heads, n, L, D (Dv)]
     q = query[rows].view(-1, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, n, group, D]
-    hidden = torch.arange(k.shape[2], device=query.device) >= lens.unsqueeze(1)  # [n, L]: padding
+    key_positions = (first * block_size).unsqueeze(1) + torch.arange(k.shape[2], device=query.device)  # [n, L]
+    hidden = key_positions >= lens.unsqueeze(1)  # padding
+    if window:
+        hidden |= key_positions < (lens - window).unsqueeze(1)  # before the window
     # Two batched matmuls rather than SDPA: with a single query row per request, CPU SDPA's
     # flash kernel spends its time on tiling overhead (measured 2x slower at 64 x 208 tokens).
     # The softmax runs in float32 whatever the cache dtype.
@@ -323,21 +344,29 @@ def _chunk_attention(
     seq_len: int,
     score_scale: float,
     out_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    blocks = block_table[: (seq_len + block_size - 1) // block_size]
+    # With a window, the chunk's first query (at seq_len - q_len) reads from seq_len - q_len - w + 1
+    # on: the blocks before that one are not read.
+    first_block = max(0, seq_len - q_len - window + 1) // block_size if window else 0
+    base = first_block * block_size  # the first gathered key's position
+    blocks = block_table[first_block: (seq_len + block_size - 1) // block_size]
     k, v = _gather_keys_and_values(key_cache, value_cache, blocks, q.dtype)
-    k, v = k[:, :seq_len], v[:, :seq_len]  # [kv_heads, seq_len, D (Dv)]
+    k, v = k[:, :seq_len - base], v[:, :seq_len - base]  # [kv_heads, seq_len - base, D (Dv)]
     # Fold each KV head's group of query heads into its rows: row g * q_len + t is head g, token t.
     q_rows = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
-    if group == 1 and q_len == seq_len:
+    if group == 1 and q_len == seq_len and not 0 < window < seq_len:
         attn = F.scaled_dot_product_attention(q_rows, k, v, is_causal=True, scale=score_scale)
     else:
-        positions = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat(group)
-        causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= positions.unsqueeze(1)
-        attn = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=causal, scale=score_scale)
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat(group).unsqueeze(1)
+        keys = torch.arange(base, seq_len, device=q.device).unsqueeze(0)
+        visible = keys <= positions
+        if window:
+            visible &= keys > positions - window
+        attn = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=visible, scale=score_scale)
     if out_scale != 1.0:
         attn = attn * out_scale
     value_dim = v.shape[-1]

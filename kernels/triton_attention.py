@@ -115,6 +115,7 @@ def triton_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     num_decodes: int | None = None,
+    sliding_window: int = 0,
     num_kv_splits: int | None = None,
     group_block: int | None = None,
     check_block_tables: bool = False,
@@ -126,7 +127,8 @@ def triton_paged_attention(
     exercise the merge and the head blocks on tiny shapes). Keys may be wider than values (a
     latent cache: its values are its keys' first dims); the output has the values' width. One
     launch covers decodes and chunks alike, so `num_decodes` only tells the planner when all are
-    decodes.
+    decodes. `sliding_window` w > 0: position p sees keys p - w + 1 .. p, and a tile reads from
+    its first query's window start only (the splits cover the window, not the whole context).
     `launches` (one per step) carries the checks, plan and buffers from the step's first layer
     to the others."""
     key = StepLaunches.key(query, key_cache, value_cache) if launches is not None else None
@@ -158,6 +160,8 @@ def triton_paged_attention(
     if launch is None:
         num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count if on_gpu else 1
         max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        if sliding_window > 0:  # a tile of <= 64 queries reads at most w + 63 positions
+            max_context = min(max_context, sliding_window + 63)
         plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, max_context, num_sms, num_kv_splits,
                            1 if num_decodes == num_seqs else max_query_len, value_dim, group_block)
         partial_out = partial_lse = None  # a single split writes `out` directly
@@ -178,7 +182,7 @@ def triton_paged_attention(
     paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         out, partial_out, partial_lse,
-        score_scale_log2, out_scale, num_seqs, plan.kv_split_len,
+        score_scale_log2, out_scale, num_seqs, plan.kv_split_len, sliding_window,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

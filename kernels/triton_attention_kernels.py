@@ -17,7 +17,8 @@ One launch covers the whole batch. The grid is (query tiles, KV heads, KV splits
                                Q tile [BLOCK_Q * GROUP_BLOCK, K_DIM] . K tile^T [K_DIM, TILE]
 
     axis 2: KV split    -- flash-decoding: split `split` covers context positions
-                           [split * kv_split_len, (split + 1) * kv_split_len). With one split the
+                           [lo + split * kv_split_len, lo + (split + 1) * kv_split_len), lo = 0,
+                           or with a sliding window w the tile's first query's window start. With one split the
                            program writes the output; otherwise it writes a normalised partial
                            result and its log2-sum-exp, and `_merge_splits_kernel` combines them.
 
@@ -55,7 +56,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.conste
 def paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    score_scale_log2, out_scale, num_seqs, kv_split_len,
+    score_scale_log2, out_scale, num_seqs, kv_split_len, sliding_window,
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -104,7 +105,11 @@ def paged_attention_kernel(
 
     # The last query of this tile sees positions < kv_stop; nothing after it is read.
     kv_stop = tl.minimum(seq_len, context_before + tl.minimum(local_tile * BLOCK_Q + BLOCK_Q, q_len))
-    kv_begin = split * kv_split_len
+    # A sliding window: the tile's first query sees nothing before kv_lo, so the splits start
+    # there and the blocks before it are never read (a window group gives them back).
+    window_start = tl.maximum(context_before + local_tile * BLOCK_Q - sliding_window + 1, 0)
+    kv_lo = tl.where(sliding_window > 0, window_start, 0)
+    kv_begin = kv_lo + split * kv_split_len
     kv_end = tl.minimum(kv_stop, kv_begin + kv_split_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -126,6 +131,7 @@ def paged_attention_kernel(
             scores += tl.dot(q_tail, tl.trans(k_tail.to(q.dtype)), input_precision=DOT_PRECISION)
         scores = scores * score_scale_log2  # log2 units
         visible = (positions[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        visible = visible & ((sliding_window == 0) | (positions[None, :] > q_pos[:, None] - sliding_window))
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))

@@ -21,6 +21,9 @@
 // items from an atomic counter (prompt chunks, the expensive ones, first), so one long chunk next
 // to many short decodes does not leave a thread idle; small calls run on the calling thread.
 // Metadata is bounds-checked as it is read: a bad block id is an error, never an out-of-bounds read.
+// A sliding window w (sliding_window > 0) starts each item at the block of its first row's window
+// (the blocks before it are never read: a window group gives them back) and masks each row's
+// keys before its own window start in the chunks it reads.
 //
 // bf16 caches on CPUs with AMX take another route for tiles of <= 16 rows (decodes included): the
 // two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
@@ -239,6 +242,7 @@ struct Problem {
   IndexView block_tables, seq_lens, query_start_loc;
   int64_t max_blocks_per_seq;
   float score_scale, out_scale;
+  int64_t window;  // sliding window w: position p sees keys p - w + 1 .. p; 0: full attention
 };
 
 // Per-thread fp32 scratch, allocated once per call and thread.
@@ -248,9 +252,10 @@ struct Scratch {
   std::vector<Vec> parts;     // [kRowBlock, kChunk]: per-key partial dot products before reduce16
   std::vector<float> row_max, row_sum;
   std::vector<int64_t> visible;  // [rows]: keys of the current chunk each row may see
+  std::vector<int64_t> hidden;   // [rows]: of those, how many leading ones lie before its window
   Scratch(int64_t rows, int64_t vectors)
       : q(rows * vectors), acc(rows * vectors), k(kChunk * vectors), v(kChunk * vectors), parts(kRowBlock * kChunk),
-        row_max(rows), row_sum(rows), visible(rows) {}
+        row_max(rows), row_sum(rows), visible(rows), hidden(rows) {}
 };
 
 // Lane j of the result = the sum of parts[j]'s 16 lanes: 16 dot products finished in 15
@@ -282,16 +287,18 @@ inline Vec reduce16(const Vec* parts) {
 // weights. Returns whether every row sees all n keys (always for decodes); a row that sees none
 // is left as it was, its weights unwritten.
 template <int kRB>
-bool online_softmax(const Vec* row_scores, int64_t n, const int64_t* visible, int64_t NV, Vec* acc_out,
-                    float* row_max, float* row_sum, float (*weights)[kChunk]) {
+bool online_softmax(const Vec* row_scores, int64_t n, const int64_t* visible, const int64_t* hidden, int64_t NV,
+                    Vec* acc_out, float* row_max, float* row_sum, float (*weights)[kChunk]) {
   const Vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
   bool whole_chunk = true;
   for (int r = 0; r < kRB; ++r) {
-    whole_chunk = whole_chunk && visible[r] >= n;
-    if (visible[r] <= 0) continue;
-    // Lanes past `visible` (keys this row may not see, or past the chunk: stale parts) are masked.
-    const Vec scores = lane < static_cast<float>(visible[r]) ? row_scores[r] : minus_inf;
+    whole_chunk = whole_chunk && visible[r] >= n && hidden[r] <= 0;
+    if (visible[r] <= 0 || visible[r] <= hidden[r]) continue;
+    // Lanes past `visible` (keys this row may not see, or past the chunk: stale parts) and
+    // before `hidden` (outside a sliding window) are masked.
+    const Vec seen = lane < static_cast<float>(visible[r]) ? row_scores[r] : minus_inf;
+    const Vec scores = lane >= static_cast<float>(hidden[r]) ? seen : minus_inf;
     const float new_max = std::max(row_max[r], hmax(scores));
     const Vec p = exp_nonpositive(scores - new_max);
     std::memcpy(weights[r], &p, sizeof(p));
@@ -309,10 +316,10 @@ bool online_softmax(const Vec* row_scores, int64_t n, const int64_t* visible, in
 // One row block (kRB query rows, a compile-time count so its accumulators live in registers)
 // against one chunk of n <= 16 keys: scores, online-softmax update, and P.V. `src_t` is the
 // cache's element type when the rows read the cache directly, float when they read a chunk
-// converted once for several row blocks. visible[r] = how many of the n keys row r may see.
+// converted once for several row blocks. Row r may see keys [hidden[r], visible[r]) of the n.
 template <typename src_t, int kVectors, int kRB>
 void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride, int64_t n,
-                const int64_t* visible, int64_t vectors, const Vec* q, Vec* acc_out, float* row_max, float* row_sum,
+                const int64_t* visible, const int64_t* hidden, int64_t vectors, const Vec* q, Vec* acc_out, float* row_max, float* row_sum,
                 Vec* parts) {
   const int64_t NV = kVectors > 0 ? kVectors : vectors;
   for (int64_t j = 0; j < n; ++j) {
@@ -327,7 +334,7 @@ void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int6
   Vec scores[kRB];
   for (int r = 0; r < kRB; ++r) scores[r] = reduce16(parts + r * kChunk);
   alignas(64) float weights[kRB][kChunk];
-  const bool whole_chunk = online_softmax<kRB>(scores, n, visible, NV, acc_out, row_max, row_sum, weights);
+  const bool whole_chunk = online_softmax<kRB>(scores, n, visible, hidden, NV, acc_out, row_max, row_sum, weights);
   if (whole_chunk) {  // keys outer, rows inner: each V row is loaded once for the whole block
     Vec acc[kRB][kMaxVectors];
     for (int r = 0; r < kRB; ++r)
@@ -347,7 +354,7 @@ void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int6
   for (int r = 0; r < kRB; ++r) {
     Vec acc[kMaxVectors];
     for (int64_t i = 0; i < NV; ++i) acc[i] = acc_out[r * NV + i];
-    for (int64_t j = 0; j < visible[r]; ++j) {
+    for (int64_t j = std::max<int64_t>(0, hidden[r]); j < visible[r]; ++j) {
       for (int64_t i = 0; i < NV; ++i) acc[i] += weights[r][j] * load16(v_rows + j * v_stride + i * kLanes);
     }
     for (int64_t i = 0; i < NV; ++i) acc_out[r * NV + i] = acc[i];
@@ -600,7 +607,8 @@ template <typename src_t, int kVectors>
 void chunk_row_block(int64_t count, const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride,
                      int64_t n, const int64_t* visible, int64_t vectors, Scratch& s, int64_t r0) {
   const int64_t NV = vectors;
-  const auto args = std::make_tuple(k_rows, k_stride, v_rows, v_stride, n, visible + r0, vectors, s.q.data() + r0 * NV,
+  const auto args = std::make_tuple(k_rows, k_stride, v_rows, v_stride, n, visible + r0, s.hidden.data() + r0, vectors,
+                                    s.q.data() + r0 * NV,
                                     s.acc.data() + r0 * NV, s.row_max.data() + r0, s.row_sum.data() + r0, s.parts.data());
   switch (count) {
     case 1: return std::apply(chunk_rows<src_t, kVectors, 1>, args);
@@ -625,7 +633,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 
   // A bf16 tile of up to 16 rows goes through AMX where the CPU and the OS allow it (see segment_amx).
   constexpr bool kAmxType = kAmx && std::is_same<kv_t, c10::BFloat16>::value && kVectors > 0 && kVectors % 4 == 0;
-  const bool amx = kAmxType && rows <= kAmxMaxRows && amx_usable();
+  const bool amx = kAmxType && rows <= kAmxMaxRows && p.window == 0 && amx_usable();  // AMX segments mask causally only
   const bool staged = !amx && rows > kRowBlock;  // several row blocks share each chunk: convert its K/V to fp32 once
   const q_t* query = static_cast<const q_t*>(p.query);
   [[maybe_unused]] const q_t* row_queries[kAmxMaxRows];  // an AMX tile's query rows
@@ -660,15 +668,21 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   const kv_t* value_cache = static_cast<const kv_t*>(p.value_cache);
   const int64_t num_keys = context_before + t1;  // the tile's last token sees keys [0, num_keys)
   const int64_t num_blocks = (num_keys + B - 1) / B;
+  // A window: the tile's first row (the earliest) sees nothing before first_seen; the blocks
+  // wholly before it are not read (their table entries may hold anything).
+  const int64_t first_seen = p.window > 0 ? std::max<int64_t>(0, context_before_tile - p.window + 1) : 0;
+  const int64_t first_block = first_seen / B;
   int64_t* visible = s.visible.data();
+  int64_t* hidden = s.hidden.data();
+  if (p.window == 0) std::fill(hidden, hidden + rows, 0);
   auto block_id = [&](int64_t b) {
     const int64_t block = p.block_tables(item.seq, b);
     TORCH_CHECK_VALUE(block >= 0 && block < p.num_blocks, "block_tables[", item.seq, ", ", b, "] = ", block,
                       " is outside the KV cache's ", p.num_blocks, " blocks");
     return block;
   };
-  int64_t block = block_id(0);
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  int64_t block = block_id(first_block);
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const kv_t* k_block = key_cache + block * p.k_stride_b + item.kv_head * p.k_stride_h;
     const kv_t* v_block = value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h;
     if (b + 1 < num_blocks) {  // blocks lie anywhere in memory: ask for the next one while this one computes
@@ -694,6 +708,10 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 #endif
       // Row r is token t0 + r / group: it sees keys up to its position.
       for (int64_t r = 0; r < rows; ++r) visible[r] = std::min(n, context_before_tile + r / group - first_key + 1);
+      if (p.window > 0) {  // row r sees keys from its position - w + 1 on
+        for (int64_t r = 0; r < rows; ++r) hidden[r] = context_before_tile + r / group - p.window + 1 - first_key;
+        if (hidden[0] >= n) continue;  // later rows start later: no row sees this chunk
+      }
       if (staged) {
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t i = 0; i < NV; ++i) {
@@ -704,7 +722,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
       }
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
         const int64_t count = std::min<int64_t>(kRowBlock, rows - r0);
-        if (visible[r0 + count - 1] <= 0) continue;  // later rows see more: none of this block sees the chunk
+        if (visible[r0 + count - 1] <= 0 || hidden[r0] >= n) continue;  // later rows see more and start later: none of this block sees the chunk
         if (staged) {
           chunk_row_block<float, kVectors>(count, reinterpret_cast<const float*>(s.k.data()), NV * kLanes,
                                            reinterpret_cast<const float*>(s.v.data()), NV * kLanes, n, visible, NV, s, r0);
@@ -827,7 +845,7 @@ Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t 
                           " tokens needs more than the ", p.max_blocks_per_seq, " blocks of its block table row");
       }
       if ((pass == 0) != (q_len > 1)) continue;  // chunks in the first pass, decodes in the second
-      if (sdpa_prompts && q_len == seq_len && q_len >= kSdpaMinTokens) {
+      if (sdpa_prompts && q_len == seq_len && q_len >= kSdpaMinTokens && (p.window == 0 || seq_len <= p.window)) {
         plan.prompts.push_back(seq);
         continue;
       }
@@ -845,7 +863,7 @@ Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t 
 
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens_in,
-                           const at::Tensor& query_start_loc_in, double score_scale, double out_scale) {
+                           const at::Tensor& query_start_loc_in, double score_scale, double out_scale, int64_t sliding_window) {
   TORCH_CHECK_VALUE(query_in.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
                     "query must be [tokens, heads, head_dim] and both caches [blocks, kv_heads, block_size, head_dim]");
   for (const at::Tensor* t : {&query_in, &key_cache, &value_cache, &block_tables, &seq_lens_in, &query_start_loc_in}) {
@@ -897,6 +915,8 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   p.max_blocks_per_seq = tables.size(1);
   p.score_scale = static_cast<float>(score_scale);
   p.out_scale = static_cast<float>(out_scale);
+  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: full attention), got ", sliding_window);
+  p.window = sliding_window;
   const at::ScalarType q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   TORCH_CHECK_VALUE(value_cache.scalar_type() == kv_type, "key_cache and value_cache must have the same dtype");
   const bool fp8 = kv_type == at::kFloat8_e4m3fn;
@@ -1011,7 +1031,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
 
 // Shapes only, for torch.compile's fake tensors (symbolic sizes): the ops stay single graph nodes.
 at::Tensor paged_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, double, double) {
+                                const at::Tensor&, const at::Tensor&, double, double, c10::SymInt) {
   return at::empty_symint(query.sym_sizes(), query.options());
 }
 
@@ -1023,7 +1043,7 @@ void write_kv_cache_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, float score_scale, float out_scale) -> Tensor");
+      "Tensor query_start_loc, float score_scale, float out_scale, SymInt sliding_window=0) -> Tensor");
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
       "float k_scale, float v_scale) -> ()");

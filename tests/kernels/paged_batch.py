@@ -86,9 +86,10 @@ def make_batch(
     )
 
 
-def dense_attention(batch: PagedBatch) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, sliding_window: int = 0) -> torch.Tensor:
     """fp32 SDPA per request on contiguous K/V (GQA by repeating heads), causal mask aligned to
-    the end of the context. Returns [num_tokens, num_heads, head_dim] in float32 on the CPU."""
+    the end of the context (and, with a sliding window w, keys within w - 1 of the query).
+    Returns [num_tokens, num_heads, head_dim] in float32 on the CPU."""
     query = batch.query.float().cpu()
     starts = batch.query_start_loc.tolist()
     group = query.shape[1] // batch.dense_keys[0].shape[1]
@@ -98,7 +99,10 @@ def dense_attention(batch: PagedBatch) -> torch.Tensor:
         q_len, seq_len = q.shape[1], k.shape[0]
         keys = k.transpose(0, 1).repeat_interleave(group, dim=0)
         values = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        causal = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        keys_at, queries_at = torch.arange(seq_len).unsqueeze(0), torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        causal = keys_at <= queries_at
+        if sliding_window:
+            causal &= keys_at > queries_at - sliding_window
         outputs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=batch.scale).transpose(0, 1))
     return torch.cat(outputs)
 
@@ -122,6 +126,22 @@ DECODES_FIRST_QUERY_LENS = [1, 1, 1, 5, 16, 5, 16]
 NUM_DECODES = 3
 
 FP8 = FP8_KV_DTYPE
+
+
+def poison_outside_window(batch: PagedBatch, sliding_window: int) -> PagedBatch:
+    """Points every block-table entry wholly before a request's window (as of its first query)
+    at a block of NaNs, as a window group's given-back blocks may hold anything: a kernel that
+    reads one, even masked, returns NaN."""
+    key_cache, value_cache, tables = batch.key_cache.clone(), batch.value_cache.clone(), batch.block_tables.clone()
+    poisoned = min(set(range(key_cache.shape[0])) - set(tables.flatten().tolist()))  # a spare block (make_batch leaves 3)
+    key_cache[poisoned] = float("nan")
+    value_cache[poisoned] = float("nan")
+    block_size = key_cache.shape[2]
+    starts = batch.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        first_query = seq_len - (starts[i + 1] - starts[i])
+        tables[i, : max(0, first_query - sliding_window + 1) // block_size] = poisoned
+    return dataclasses.replace(batch, key_cache=key_cache, value_cache=value_cache, block_tables=tables)
 
 
 def make_latent_batch(seq_lens: list[int], query_lens: list[int], *, kv_lora_rank: int = 32, rope_dim: int = 16,
