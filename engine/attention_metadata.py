@@ -37,12 +37,15 @@ class FlatBatch:
 
 
 def build_flat_batch(query_lens: Sequence[int], num_computed: Sequence[int],
-                     group_block_ids: Sequence[Sequence[Sequence[int]]], block_size: int,
-                     device: torch.device | str = "cpu") -> FlatBatch:
+                     group_block_ids: Sequence[Sequence[Sequence[int | None]]], block_size: int,
+                     device: torch.device | str = "cpu", group_windows: Sequence[int] | None = None) -> FlatBatch:
     """The one builder of positions and slots (runner, tests and benchmarks all use it).
 
     Request i computes query_lens[i] tokens at positions num_computed[i] onwards, and its block
-    table in layer group g is group_block_ids[g][i]. The order is the caller's: leading
+    table in layer group g is group_block_ids[g][i]; group g's layers attend within a sliding
+    window of group_windows[g] positions (0 or None: full attention), and its tables may hold
+    None for the blocks given back before the window (read as block 0, which no kernel reads
+    there). The order is the caller's: leading
     single-token requests count as decodes (the runner puts them first). Checked here, once per
     step, so that the layers need not.
     """
@@ -78,14 +81,18 @@ def build_flat_batch(query_lens: Sequence[int], num_computed: Sequence[int],
         "num_decodes": num_decodes,
     }
     metadata = []
-    for block_ids in group_block_ids:
+    windows = list(group_windows) if group_windows is not None else [0] * len(group_block_ids)
+    if len(windows) != len(group_block_ids):
+        raise ValueError(f"need one window per layer group, got {len(windows)} for {len(group_block_ids)} groups")
+    for block_ids, window in zip(group_block_ids, windows):
         block_tables, slot_mapping = _tables_and_slots(block_ids, seq_lens, request_of_token, positions, block_size)
         metadata.append(AttentionMetadata(slot_mapping=tensor(slot_mapping, torch.int64),
-                                          block_tables=tensor(block_tables, torch.int32), **shared))
+                                          block_tables=tensor(block_tables, torch.int32), sliding_window=window or 0,
+                                          **shared))
     return FlatBatch(positions=tensor(positions, torch.int64), group_metadata=tuple(metadata))
 
 
-def _tables_and_slots(block_ids: Sequence[Sequence[int]], seq_lens: np.ndarray, request_of_token: np.ndarray,
+def _tables_and_slots(block_ids: Sequence[Sequence[int | None]], seq_lens: np.ndarray, request_of_token: np.ndarray,
                       positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """One layer group's block tables, padded with 0, and each token's slot through them."""
     num_seqs = len(block_ids)
@@ -97,6 +104,8 @@ def _tables_and_slots(block_ids: Sequence[Sequence[int]], seq_lens: np.ndarray, 
                          f"blocks of {block_size}")
     block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int64)
     for i, blocks in enumerate(block_ids):  # one Python iteration per request, none per token
+        if blocks and blocks[0] is None:  # a window group's given-back prefix (only ever a prefix)
+            blocks = [0 if block is None else block for block in blocks]
         block_tables[i, : len(blocks)] = blocks
     slot_mapping = block_tables[request_of_token, positions // block_size] * block_size + positions % block_size
     return block_tables, slot_mapping

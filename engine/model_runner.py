@@ -26,7 +26,7 @@ from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_lo
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
 from kvserve.kernels import AttentionBackend, AttentionMetadata, KVCache
-from kvserve.paging import KVCacheConfig
+from kvserve.paging import KVCacheConfig, SlidingWindowSpec
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -66,6 +66,9 @@ class ModelRunner:
             raise ValueError(f"the KV cache config covers {kv_cache_config.num_layers} layers, the model has "
                              f"{len(model.layers)}: plan it from this model's kv_cache_specs()")
         self.kv_cache_config = kv_cache_config
+        # Each layer group's sliding window (0: full attention), carried by its step metadata.
+        self.group_windows = [group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else 0
+                              for group in kv_cache_config.groups]
         self.attention = attention
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -129,7 +132,7 @@ class ModelRunner:
             token_ids = [t for state in batch for t in state.step_token_ids()]
         tables = [[state.block_ids[group] for state in batch] for group in range(len(self.kv_cache_config.groups))]
         flat = build_flat_batch(batch_lens, [state.num_computed_tokens for state in batch], tables, self.block_size,
-                                self.device)
+                                self.device, self.group_windows)
         group_metadata = [self.attention.prepare(meta) for meta in flat.group_metadata]
         # Request i of the scheduler's order is flattened request position[i], whose last row is
         # ends[position[i]] - 1.
@@ -160,7 +163,8 @@ class ModelRunner:
 
     def _warm_up_forward(self, query_lens: list[int]) -> None:
         tables = [[[0]] * len(query_lens) for _ in self.kv_cache_config.groups]
-        flat = build_flat_batch(query_lens, [0] * len(query_lens), tables, self.block_size, self.device)
+        flat = build_flat_batch(query_lens, [0] * len(query_lens), tables, self.block_size, self.device,
+                                self.group_windows)
         metadata = [self.attention.prepare(meta) for meta in flat.group_metadata]
         input_ids = torch.zeros(flat.positions.shape[0], dtype=torch.int64, device=self.device)
         self._forward(input_ids, flat.positions, [metadata[g] for g in self.kv_cache_tensors.group_of_layer])

@@ -30,7 +30,7 @@ from kvserve.engine.model.rms_norm import RMSNorm
 from kvserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
 from kvserve.kernels import AttentionMetadata, KVCache
-from kvserve.paging import FullAttentionSpec
+from kvserve.paging import FullAttentionSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
     from kvserve.kernels import AttentionBackend
@@ -104,9 +104,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def kv_cache_specs(self, dtype: str, dtype_bytes: int) -> list[FullAttentionSpec]:
-        """What each layer keeps in the KV cache (the runner groups and sizes the cache from it)."""
+        """What each layer keeps in the KV cache (the runner groups and sizes the cache from it):
+        with Mistral's sliding window, a window spec, whose blocks leave the cache as the window
+        moves on (the kernels read only the window: the step metadata carries it)."""
         # From the layers themselves: a tensor-parallel rank's layers hold its share of the heads.
+        window = self.config.sliding_window
         return [FullAttentionSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, dtype, dtype_bytes)
+                if window is None else
+                SlidingWindowSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, dtype, dtype_bytes,
+                                  sliding_window=window)
                 for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -126,9 +132,15 @@ def config_from_hf(architecture: str, hf: Mapping[str, Any], generation: Mapping
     shape = shape_from_hf_dict("config.json", hf)
     max_pos = int(hf.get("max_position_embeddings", 4096))
     sliding_window = hf.get("sliding_window")
-    if architecture in ("mistral", "qwen2") and sliding_window and hf.get("use_sliding_window", architecture == "mistral"):
-        # Paged attention here is full attention; within the window the two are identical, so we
-        # serve only that much context rather than silently computing something else.
+    window = None
+    if architecture == "mistral" and sliding_window:
+        # Served with the window: every layer attends to the last `sliding_window` positions
+        # (Mistral 7B v0.1), and its cache holds only those.
+        window = int(sliding_window)
+    elif architecture == "qwen2" and sliding_window and hf.get("use_sliding_window", False):
+        # Qwen2 windows only the layers from max_window_layers on; not served: full attention is
+        # identical within the window, so we serve only that much context rather than silently
+        # computing something else.
         max_pos = min(max_pos, int(sliding_window))
     theta, scaling = rope_from_hf(hf)
     return ModelConfig(
@@ -148,6 +160,7 @@ def config_from_hf(architecture: str, hf: Mapping[str, Any], generation: Mapping
         attention_bias=architecture == "qwen2",
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_token_ids(hf, generation),
+        sliding_window=window,
     )
 
 

@@ -49,6 +49,9 @@ class ModelConfig:
     # Per-frequency rope divisors (head_dim / 2 of them): how llama.cpp stores Llama 3.1's llama3
     # scaling in a GGUF (the `rope_freqs.weight` tensor), applied on top of rope_scaling.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Every layer attends to the last `sliding_window` positions, its own included (Mistral 7B
+    # v0.1's 4,096); None: full attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -59,6 +62,8 @@ class ModelConfig:
             raise ModelConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) for GQA"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelConfigError(f"sliding_window must be positive (or absent), got {self.sliding_window}")
         if self.head_dim % 2:
             raise ModelConfigError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:

@@ -42,14 +42,21 @@ def test_default_rope_has_no_scaling_and_generation_config_adds_eos():
     assert config.eos_token_ids == (2, 7)
 
 
-def test_qwen2_has_qkv_bias_and_mistral_context_is_capped_by_its_window():
+def test_qwen2_has_qkv_bias_and_mistral_is_served_with_its_window():
     base = {k: v for k, v in LLAMA3_HF.items() if k != "rope_scaling"}
     qwen = model_config_from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
                                       "use_sliding_window": False})
-    assert qwen.attention_bias and qwen.max_position_embeddings == 131072
+    assert qwen.attention_bias and qwen.max_position_embeddings == 131072 and qwen.sliding_window is None
+    # A windowed Qwen2 (max_window_layers) is not served with its window: capped to it instead.
+    windowed_qwen = model_config_from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
+                                               "use_sliding_window": True})
+    assert windowed_qwen.max_position_embeddings == 4096 and windowed_qwen.sliding_window is None
     mistral = model_config_from_hf_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
                                          "head_dim": 96})
-    assert not mistral.attention_bias and mistral.max_position_embeddings == 4096 and mistral.head_dim == 96
+    assert not mistral.attention_bias and mistral.head_dim == 96
+    assert mistral.sliding_window == 4096 and mistral.max_position_embeddings == 131072  # the whole context, windowed
+    no_window = model_config_from_hf_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
+    assert no_window.sliding_window is None
 
 
 def test_unsupported_architecture_names_it_and_the_supported_ones():

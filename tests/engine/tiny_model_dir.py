@@ -37,10 +37,15 @@ def write_tiny_model(path: Path, *, generation_config: dict | None = None, seed:
     write_dir(path, weights, tiny_config(**config_overrides))
     if generation_config is not None:
         (path / "generation_config.json").write_text(json.dumps(generation_config))
-    vocab = {f"w{i}": i for i in range(VOCAB)}
+    write_word_tokenizer(path)
+    return path
+
+
+def write_word_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
+    """tokenizer.json / tokenizer_config.json of words "w0".."w{vocab_size - 1}" ("w2" the EOS)."""
+    vocab = {f"w{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{TOKENIZER_EOS}", "bos_token": "w1"}))
-    return path
