@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePath
 
+from kvserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
 from kvserve.scheduler import SchedulingPolicy
 
@@ -45,8 +46,15 @@ class EngineConfig:
     quantization: str | None = None  # None (the model dtype) | int8 | int4: weight-only, applied after loading
     cpu_threads: int | None = None  # torch intra-op threads; None: OMP_NUM_THREADS or the CPUs this process may use
     tensor_parallel_size: int = 1  # processes sharing each layer (engine/parallel); 1: no workers
+    # Speculative decoding (engine/spec_decode): a SpeculativeConfig, or its dict / JSON text as
+    # vLLM's speculative_config; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        except SpeculativeConfigError as error:
+            raise ConfigError("--speculative-config", f"--speculative-config: {error}") from None
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError("--dtype", f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in SUPPORTED_BLOCK_SIZES:

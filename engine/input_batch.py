@@ -13,6 +13,7 @@ tensor-parallel worker that receives the same diffs holds the same states.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.scheduler.output import NewRequestData, SchedulerOutput
@@ -32,15 +33,18 @@ class CachedRequestState:
     num_computed_tokens: int = 0
     num_new_tokens: int = 0
     samples: bool = False
+    spec_token_ids: Sequence[int] = ()  # drafts computed after the last token (counted in num_new_tokens)
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.all_token_ids[: self.num_prompt_tokens]
 
     def step_token_ids(self) -> list[int]:
-        """The tokens this step computes, at positions num_computed_tokens onwards."""
+        """The tokens this step computes, at positions num_computed_tokens onwards: its own, then
+        its drafts."""
         start = self.num_computed_tokens
-        return self.all_token_ids[start:start + self.num_new_tokens]
+        own = self.all_token_ids[start:start + self.num_new_tokens - len(self.spec_token_ids)]
+        return own + list(self.spec_token_ids) if self.spec_token_ids else own
 
     def append_tokens(self, token_ids: list[int]) -> None:
         all_token_ids = self.all_token_ids
@@ -80,6 +84,7 @@ class InputBatch:
             state.num_computed_tokens = scheduled.num_computed_tokens
             state.num_new_tokens = scheduled.num_new_tokens
             state.samples = scheduled.samples
+            state.spec_token_ids = scheduled.spec_token_ids
             states.append(state)
         return states
 

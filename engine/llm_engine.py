@@ -21,11 +21,12 @@ from kvserve.engine.executor import Executor
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.structured_output import GrammarCompiler, StructuredOutputManager, XGrammarCompile
+from kvserve.engine.spec_decode import NgramDrafter
 from kvserve.engine.stats import EngineLoad, StatsListener, StepStats
 from kvserve.engine.text.tokenizer import Tokenizer
-from kvserve.scheduler import Scheduler
+from kvserve.scheduler import RequestUpdate, Scheduler
 from kvserve.scheduler.output import SchedulerOutput
-from kvserve.scheduler.request import FinishReason, Request
+from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(model_config.vocab_size)
         self._seed_rng = random.Random(config.seed)
         self._last_prefix_stats = (0, 0)
+        spec = config.speculative_config
+        self.drafter = NgramDrafter(spec) if spec is not None else None
 
     @classmethod
     def from_config(cls, config: EngineConfig, stats_listeners: Sequence[StatsListener] = ()) -> "LLMEngine":
@@ -152,6 +155,8 @@ class LLMEngine:
             for child in children:
                 self._emit_finished(self.tracker.on_finished(child, FinishReason.ABORT, None, now))
                 self.structured_output.remove(child)
+            if self.drafter is not None:
+                self.drafter.forget(children)
             output = group.take_output()
             if output is not None:
                 outputs.append(output)
@@ -183,7 +188,9 @@ class LLMEngine:
         """Runs one model step; returns a delta for each request that gained text or finished."""
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
+        if not scheduler_output.scheduled:
+            if not scheduler_output.is_empty:  # only ended requests to report: the runner drops them
+                self.executor.execute(scheduler_output)
             return []
         for new in scheduler_output.new_requests:  # scheduled for the first time
             self.tracker.mark_scheduled(new.request_id, start)
@@ -221,14 +228,24 @@ class LLMEngine:
             elif update.finished and request.finish_reason is not None:  # the scheduler's stop check set it
                 self._emit_finished(self.tracker.on_finished(child_id, request.finish_reason, request.stop_reason, now))
 
+        if self.drafter is not None:
+            self._propose_drafts(scheduler_output, updates)
         outputs = []
         for group in touched.values():
             output = group.take_output()
             if output is not None:
                 outputs.append(output)
             self.tracker.pop_if_finished(group)
-        self._emit_step(scheduler_output, prompt_tokens, start, time.monotonic())
+        self._emit_step(scheduler_output, updates, prompt_tokens, start, time.monotonic())
         return outputs
+
+    def _propose_drafts(self, output: SchedulerOutput, updates: list[RequestUpdate]) -> None:
+        """Drafts for the requests whose next step is a decode (they gained tokens and run on)."""
+        assert self.drafter is not None
+        self.drafter.forget(u.request.request_id for u in updates if u.request.status is RequestStatus.FINISHED)
+        running = [u.request for u in updates if u.new_token_ids and u.request.status is RequestStatus.RUNNING]
+        validate = self.structured_output.valid_drafts if len(self.structured_output) else None
+        self.drafter.propose(running, self.scheduler.num_running, validate)
 
     # ------------------------------------------------------------------ stats out
 
@@ -245,9 +262,23 @@ class LLMEngine:
                 total += max(0, min(scheduled.seq_len, request.num_prompt_tokens) - scheduled.num_computed_tokens)
         return total
 
-    def _emit_step(self, output: SchedulerOutput, prompt_tokens: int, start: float, end: float) -> None:
+    def _emit_step(self, output: SchedulerOutput, updates: list[RequestUpdate], prompt_tokens: int, start: float,
+                   end: float) -> None:
         if not self.stats_listeners:
             return
+        num_drafts = num_draft_tokens = num_accepted = 0
+        accepted_per_position: list[int] = []
+        if self.drafter is not None:
+            kept = {u.request.request_id: len(u.new_token_ids) for u in updates}
+            for scheduled in output.scheduled:
+                if scheduled.spec_token_ids and scheduled.request_id in kept:
+                    num_drafts += 1
+                    num_draft_tokens += len(scheduled.spec_token_ids)
+                    accepted = max(0, kept[scheduled.request_id] - 1)
+                    num_accepted += accepted
+                    accepted_per_position += [0] * (len(scheduled.spec_token_ids) - len(accepted_per_position))
+                    for position in range(accepted):
+                        accepted_per_position[position] += 1
         kv = self.scheduler.kv_cache_manager.stats()
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         last_queries, last_hits = self._last_prefix_stats
@@ -257,7 +288,7 @@ class LLMEngine:
             duration_s=end - start,
             num_scheduled_tokens=output.num_scheduled_tokens,
             num_prompt_tokens=prompt_tokens,
-            num_generation_tokens=sum(1 for r in output.scheduled if r.samples),
+            num_generation_tokens=sum(len(u.new_token_ids) for u in updates),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_preempted=len(output.preempted_request_ids),
@@ -267,6 +298,10 @@ class LLMEngine:
             kv_blocks_free=kv.blocks_free,
             prefix_cache_queries=queries - last_queries,
             prefix_cache_hits=hits - last_hits,
+            spec_num_drafts=num_drafts,
+            spec_num_draft_tokens=num_draft_tokens,
+            spec_num_accepted_tokens=num_accepted,
+            spec_accepted_per_position=tuple(accepted_per_position),
         )
         for listener in self.stats_listeners:
             listener.on_step(stats)

@@ -24,6 +24,7 @@ from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
+from kvserve.engine.spec_decode.verification import num_kept
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
 from kvserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.paging import KVCacheConfig, SlidingWindowSpec
@@ -107,15 +108,38 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if token_mask is not None:
             logits = apply_token_mask(logits, token_mask)
-        batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_ids,
-                                             self.device)
+        if not any(state.spec_token_ids for state in sampling):
+            batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_ids,
+                                                 self.device)
+            sampled = self.sampler(logits, batch)
+            return ModelRunnerOutput(
+                request_ids=[state.request_id for state in sampling],
+                sampled_token_ids=[[token_id] for token_id in sampled.token_ids],
+                logprobs=[None if entry is None else [entry] for entry in sampled.logprobs],
+                prompt_logprobs=prompt_logprobs,
+            )
+        return self._verify(sampling, logits, prompt_logprobs)
+
+    def _verify(self, sampling: list[CachedRequestState], logits: torch.Tensor,
+                prompt_logprobs: dict) -> ModelRunnerOutput:
+        """A step with drafts: one sampling row per position (engine/spec_decode/verification.py),
+        each request keeping its matching drafts and the token after them."""
+        rows = [state for state in sampling for _ in range(len(state.spec_token_ids) + 1)]
+        offsets = [offset for state in sampling for offset in range(len(state.spec_token_ids) + 1)]
+        batch = SamplingBatch.from_requests(rows, self.model_config.vocab_size, self.eos_token_ids, self.device,
+                                             draft_offsets=offsets)
         sampled = self.sampler(logits, batch)
-        return ModelRunnerOutput(
-            request_ids=[state.request_id for state in sampling],
-            sampled_token_ids=[[token_id] for token_id in sampled.token_ids],
-            logprobs=[None if entry is None else [entry] for entry in sampled.logprobs],
-            prompt_logprobs=prompt_logprobs,
-        )
+        token_ids, logprobs, first = [], [], 0
+        for state in sampling:
+            count = len(state.spec_token_ids) + 1
+            tokens = sampled.token_ids[first:first + count]
+            kept = num_kept(tokens, state.spec_token_ids)
+            token_ids.append(tokens[:kept])
+            entries = sampled.logprobs[first:first + kept]
+            logprobs.append(None if entries[0] is None else entries)
+            first += count
+        return ModelRunnerOutput(request_ids=[state.request_id for state in sampling], sampled_token_ids=token_ids,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def prepare_inputs(self, states: list[CachedRequestState]) -> StepInputs:
         """Flattens the step (`states` in the scheduler's order, diffs applied) with single-token
@@ -139,7 +163,11 @@ class ModelRunner:
         position = np.empty(len(order), dtype=np.int64)
         position[order] = np.arange(len(order))
         ends = np.cumsum(batch_lens)
-        logits_indices = ends[position[[i for i, state in enumerate(states) if state.samples]]] - 1
+        sampling = [i for i, state in enumerate(states) if state.samples]
+        logits_indices = ends[position[sampling]] - 1
+        if any(states[i].spec_token_ids for i in sampling):  # a request with k drafts samples its last k + 1 rows
+            logits_indices = np.concatenate([np.arange(end - len(states[i].spec_token_ids), end + 1)
+                                             for i, end in zip(sampling, logits_indices.tolist())])
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=flat.positions,

@@ -30,6 +30,12 @@ class StepStats:
     kv_blocks_free: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int  # of those, tokens found
+    # Speculative decoding: requests that verified drafts, drafted tokens, how many were kept;
+    # spec_accepted_per_position[i] counts the requests whose draft i was kept.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:

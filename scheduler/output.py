@@ -11,6 +11,7 @@ plain data that can be pickled to another process (tensor-parallel workers) as i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -36,7 +37,8 @@ class ScheduledRequest(NamedTuple):
     scheduled it: its prompt the first time, then the token(s) it last sampled) and
     `new_block_ids` (one tuple per layer group) to its copy of the request, then computes
     `num_new_tokens` tokens at positions `num_computed_tokens ...`, writing their K/V into the
-    slots the block tables give those positions. `tables_replaced` says that `new_block_ids`
+    slots the block tables give those positions (a decode with drafts computes its last token
+    and then its `spec_token_ids`). `tables_replaced` says that `new_block_ids`
     are the whole tables, to replace the runner's: the first time, after a preemption, and after
     copy-on-write moved a block. When `samples` is true the step reaches the end of the
     request's known tokens and a token is sampled from the last position's logits; a prompt
@@ -55,6 +57,9 @@ class ScheduledRequest(NamedTuple):
     new_token_ids: list[int]
     new_block_ids: GroupBlockIds
     tables_replaced: bool
+    # Draft tokens verified this step (speculative decoding): computed after the request's last
+    # token and counted in num_new_tokens, but not part of the request until accepted.
+    spec_token_ids: Sequence[int] = ()
 
     @property
     def seq_len(self) -> int:
@@ -80,7 +85,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing for the runner: no request runs and none it holds has ended. (A step that
+        only reports finished requests still goes to the runner, which drops their state.)"""
+        return not self.scheduled and not self.finished_req_ids
 
 
 @dataclass(frozen=True)

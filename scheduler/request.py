@@ -66,6 +66,9 @@ class Request:
     # (not before the first step, nor after a preemption freed the blocks).
     num_sent_tokens: int = 0
     runner_has_tables: bool = False
+    # Draft tokens to verify with its next decode (speculative decoding), set by the engine
+    # after each step; the scheduler schedules as many of them as fit.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

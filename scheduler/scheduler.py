@@ -181,8 +181,16 @@ class Scheduler:
                 num_new = threshold
             if num_new > plan.budget:
                 num_new = plan.budget
+            spec: list[int] | tuple[()] = ()
+            if request.spec_token_ids and num_new == 1 and request.runner_has_tables:  # drafts to verify
+                spec = request.spec_token_ids[:self._num_drafts_that_fit(request, len(request.spec_token_ids),
+                                                                        plan.budget)]
+                num_new += len(spec)
             while (new_block_ids := allocate_slots(request.request_id, all_token_ids, start, num_new,
                                                    (), request.cache_salt)) is None:
+                if spec:  # drafts never cost anyone a preemption: without them first
+                    spec, num_new = (), num_new - len(spec)
+                    continue
                 victim = running.pop_back()
                 num_running -= 1
                 self._preempt(victim, plan)
@@ -194,13 +202,22 @@ class Scheduler:
             request.num_sent_tokens = len(all_token_ids)
             if request.runner_has_tables:
                 scheduled.append(ScheduledRequest(
-                    request.request_id, start, num_new, start + num_new == len(all_token_ids),
-                    all_token_ids[num_sent:], new_block_ids, False,
+                    request.request_id, start, num_new, start + num_new >= len(all_token_ids),
+                    all_token_ids[num_sent:], new_block_ids, False, spec,
                 ))
             else:
                 self._add_to_plan(plan, request, num_new, num_sent)
                 continue
             plan.budget -= num_new
+
+    def _num_drafts_that_fit(self, request: Request, num_drafts: int, budget: int) -> int:
+        """Drafts beyond the token budget, the context or max_tokens could never be kept: a step
+        appends at most drafts + 1 tokens to the request."""
+        room = min(num_drafts, budget - 1, self.config.max_model_len - len(request.all_token_ids) - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, room)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -276,12 +293,17 @@ class Scheduler:
             finished = False
             if scheduled.samples:
                 entry = sampled.get(scheduled.request_id)
-                if entry is None or not entry[0]:
+                if entry is None or not entry[0] or len(entry[0]) > len(scheduled.spec_token_ids) + 1:
                     raise ValueError(
-                        f"the model runner returned no token for {scheduled.request_id!r}, which was scheduled to "
-                        "sample; ModelRunnerOutput must hold one or more tokens per scheduled request with samples=True"
+                        f"the model runner returned {0 if entry is None else len(entry[0])} tokens for "
+                        f"{scheduled.request_id!r}, which was scheduled to sample with {len(scheduled.spec_token_ids)} "
+                        "drafts; ModelRunnerOutput must hold 1 to drafts + 1 tokens per scheduled request with samples=True"
                     )
                 token_ids, token_logprobs = entry
+                if scheduled.spec_token_ids:
+                    # The tokens kept: the accepted drafts and one more. The KV of the rejected
+                    # drafts is dead: those positions are computed again, with the right tokens.
+                    request.num_computed_tokens -= len(scheduled.spec_token_ids) + 1 - len(token_ids)
                 new_token_ids, finished = self._append_tokens(request, token_ids, max_model_len)
                 if token_logprobs is None:
                     logprobs: list[TokenLogprobs | None] = [None] * len(new_token_ids)

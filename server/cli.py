@@ -105,6 +105,11 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                                 "(compiled artifacts are cached under $KVSERVE_CACHE, default ~/.cache/kvserve)"),
         model.add_argument("--seed", type=_non_negative_int, default=defaults.seed,
                            help="seed for requests that do not give one"),
+        model.add_argument("--speculative-config", default=None, metavar="JSON",
+                           help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                                '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
+                                'where the text last repeated; greedy output unchanged) plus optional '
+                                '"disable_by_batch_size": N (no drafts while more than N requests run)'),
         cache.add_argument("--block-size", type=int, choices=SUPPORTED_BLOCK_SIZES, default=defaults.block_size,
                            help="tokens per KV-cache block"),
         cache.add_argument("--max-model-len", type=_positive_int, default=None,
@@ -229,7 +234,7 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             long_prefill_token_threshold=args.long_prefill_token_threshold, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager, seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
         limits = ServerLimits(
             max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length, max_tokens=args.max_tokens_per_request,

@@ -110,6 +110,11 @@ class ServerMetrics:
         self._prefix_queries = Counter("kvserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=registry).labels(name)
         self._prefix_hits = Counter("kvserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=registry).labels(name)
         self._iteration_tokens = Histogram("kvserve_iteration_tokens", "Tokens scheduled in one engine step.", labels, registry=registry, buckets=TOKEN_COUNT_BUCKETS).labels(name)
+        # Speculative decoding, as vLLM names its counters.
+        self._spec_drafts = Counter("kvserve_spec_decode_num_drafts", "Requests that verified drafted tokens in a step (speculative decoding).", labels, registry=registry).labels(name)
+        self._spec_draft_tokens = Counter("kvserve_spec_decode_num_draft_tokens", "Drafted tokens verified.", labels, registry=registry).labels(name)
+        self._spec_accepted_tokens = Counter("kvserve_spec_decode_num_accepted_tokens", "Drafted tokens kept.", labels, registry=registry).labels(name)
+        self._spec_accepted_per_pos = Counter("kvserve_spec_decode_num_accepted_tokens_per_pos", "Drafted tokens kept, by their position in the draft (0 = first).", [*labels, "position"], registry=registry)
         self._step_duration = Histogram("kvserve_step_duration_seconds", "Duration of one engine step (schedule + forward + update).", labels, registry=registry, buckets=STEP_DURATION_BUCKETS_S).labels(name)
 
     def _define_request_metrics(self) -> None:
@@ -154,6 +159,12 @@ class ServerMetrics:
         self._prefix_hits.inc(stats.prefix_cache_hits)
         self._iteration_tokens.observe(stats.num_scheduled_tokens)
         self._step_duration.observe(stats.duration_s)
+        if stats.spec_num_drafts:
+            self._spec_drafts.inc(stats.spec_num_drafts)
+            self._spec_draft_tokens.inc(stats.spec_num_draft_tokens)
+            self._spec_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                self._spec_accepted_per_pos.labels(self.model_name, str(position)).inc(count)
 
     def on_request_finished(self, stats: FinishedRequestStats) -> None:
         self._success[stats.finish_reason].inc()

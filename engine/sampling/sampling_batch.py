@@ -84,11 +84,18 @@ class SamplingBatch:
 
     @classmethod
     def from_requests(cls, requests: Sequence[CachedRequestState], vocab_size: int, eos_token_ids: tuple[int, ...],
-                      device: torch.device) -> "SamplingBatch":
+                      device: torch.device, draft_offsets: Sequence[int] | None = None) -> "SamplingBatch":
         """Requests whose `samples` is false this step (mid-prompt chunks) are skipped: rows
         correspond to the requests that sample, in order. One pass over the rows sorts them by what they ask
-        for; the per-row work does not depend on the vocabulary or on the tokens so far."""
+        for; the per-row work does not depend on the vocabulary or on the tokens so far.
+
+        `draft_offsets`: with speculative decoding a request samples one row per draft position
+        (it repeats in `requests`); row i then stands `draft_offsets[i]` tokens past the
+        request's outputs, which is what its random number and min_tokens see."""
         rows = [r for r in requests if r.samples]
+        offsets = list(draft_offsets) if draft_offsets is not None else [0] * len(rows)
+        if len(offsets) != len(rows):
+            raise ValueError(f"{len(offsets)} draft offsets for {len(rows)} sampling rows")
         random_rows: list[int] = []
         penalty_rows: list[int] = []
         num_logprobs: list[int | None] = []
@@ -97,6 +104,9 @@ class SamplingBatch:
             if not (p.is_greedy or p.temperature < GREEDY_TEMPERATURE):
                 random_rows.append(i)
             if p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1:
+                if offsets[i]:
+                    raise ValueError(f"request {r.request_id!r} has penalties and drafts: its counts cannot follow "
+                                     "draft positions (the drafter gives penalised requests none)")
                 penalty_rows.append(i)
             num_logprobs.append(p.logprobs)
         logprob_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
@@ -104,9 +114,10 @@ class SamplingBatch:
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
-            random=_random_rows([rows[i] for i in random_rows], random_rows, vocab_size, device) if random_rows else None,
+            random=_random_rows([rows[i] for i in random_rows], [offsets[i] for i in random_rows], random_rows,
+                                vocab_size, device) if random_rows else None,
             logit_bias=_logit_bias(params, device),
-            banned=_min_tokens_bans(rows, eos_token_ids, device),
+            banned=_min_tokens_bans(rows, offsets, eos_token_ids, device),
             penalties=_penalty_rows([rows[i] for i in penalty_rows], penalty_rows, device) if penalty_rows else None,
             num_logprobs=num_logprobs,
             logprob_rows=torch.tensor(logprob_rows, dtype=torch.int64, device=device) if logprob_rows else None,
@@ -114,7 +125,8 @@ class SamplingBatch:
         )
 
 
-def _random_rows(rows: list[CachedRequestState], indices: list[int], vocab_size: int, device: torch.device) -> RandomRows:
+def _random_rows(rows: list[CachedRequestState], offsets: list[int], indices: list[int], vocab_size: int,
+                 device: torch.device) -> RandomRows:
     params = [r.sampling_params for r in rows]
 
     def tensor(values: list, dtype: torch.dtype) -> Tensor:
@@ -132,7 +144,7 @@ def _random_rows(rows: list[CachedRequestState], indices: list[int], vocab_size:
         min_p=tensor(min_p, torch.float32) if any(v > 0.0 for v in min_p) else None,
         seed_lo=tensor([s & _MASK_32 for s in seeds], torch.int64),
         seed_hi=tensor([(s >> 32) & _MASK_32 for s in seeds], torch.int64),
-        step=tensor([len(r.output_token_ids) & _MASK_32 for r in rows], torch.int64),
+        step=tensor([(len(r.output_token_ids) + offset) & _MASK_32 for r, offset in zip(rows, offsets)], torch.int64),
     )
 
 
@@ -156,14 +168,14 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> SparseLog
                              torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _min_tokens_bans(rows: list[CachedRequestState], eos_token_ids: tuple[int, ...],
+def _min_tokens_bans(rows: list[CachedRequestState], offsets: list[int], eos_token_ids: tuple[int, ...],
                      device: torch.device) -> SparseLogitUpdate | None:
     """While a row has fewer than min_tokens outputs, its stop tokens cannot be drawn. EOS is
     (every EOS id) banned too unless ignore_eos (then EOS does not stop the request, so it need not be held back)."""
     entries: list[tuple[int, int]] = []
-    for i, r in enumerate(rows):
+    for i, (r, offset) in enumerate(zip(rows, offsets)):
         p = r.sampling_params
-        if len(r.output_token_ids) >= p.min_tokens:
+        if len(r.output_token_ids) + offset >= p.min_tokens:
             continue
         entries.extend((i, t) for t in p.stop_token_ids)
         if not p.ignore_eos:

@@ -2,6 +2,11 @@
 
 A preempted request keeps its output tokens and recomputes only its KV, so its matcher stays
 valid: it samples again exactly where it stopped.
+
+With speculative decoding a request samples one row per draft position. Its drafts were cut to
+the prefix its grammar accepts (valid_drafts), so the mask of row j is the matcher's state after
+drafts[:j]: the matcher walks the drafts while filling the rows and rolls back, and then accepts
+only the tokens the request kept.
 """
 
 from __future__ import annotations
@@ -39,19 +44,57 @@ class StructuredOutputManager:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar accepts, stopping before a token
+        that would end the grammar (no row may follow a terminated matcher)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return drafts
+        accepted = 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                matcher.rollback(1)
+                accepted -= 1
+                break
+        if accepted:
+            matcher.rollback(accepted)
+        return drafts[:accepted]
+
     def token_mask(self, output: SchedulerOutput) -> TokenMask | None:
         """The mask for this step's sampling rows that are constrained, or None when none is."""
         if not self._matchers:
             return None
-        sampling = [r for r in output.scheduled if r.samples]
-        rows = [i for i, r in enumerate(sampling) if r.request_id in self._matchers]
+        rows: list[int] = []  # logits rows: one per sampling request, and one more per draft
+        constrained: list[tuple[int, str, tuple[int, ...]]] = []
+        row = 0
+        for scheduled in output.scheduled:
+            if not scheduled.samples:
+                continue
+            drafts = tuple(scheduled.spec_token_ids)
+            if scheduled.request_id in self._matchers:
+                constrained.append((len(rows), scheduled.request_id, drafts))
+                rows.extend(range(row, row + len(drafts) + 1))
+            row += len(drafts) + 1
         if not rows:
             return None
         import xgrammar as xgr  # loaded by the compile already; see xgrammar_grammars.py
 
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, i in enumerate(rows):
-            self._matchers[sampling[i].request_id].fill_next_token_bitmask(bitmask, j)
+        for first, request_id, drafts in constrained:
+            matcher = self._matchers[request_id]
+            for j, token in enumerate(drafts):
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                if not matcher.accept_token(token):  # valid_drafts let it through: cannot happen
+                    raise RuntimeError(f"request {request_id}: draft token {token} does not fit its grammar")
+            matcher.fill_next_token_bitmask(bitmask, first + len(drafts))
+            if drafts:
+                matcher.rollback(len(drafts))
         return TokenMask(torch.tensor(rows, dtype=torch.int64), bitmask)
 
     def accept(self, request_id: str, token_ids: Sequence[int]) -> None:

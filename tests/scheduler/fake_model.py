@@ -82,6 +82,7 @@ class FakeModelRunner:
         self.num_copies = 0
         self.requests: dict[str, _RequestState] = {}
         self.last_inputs: list[StepInput] = []
+        self.num_drafts = self.num_accepted = 0
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_req_ids:
@@ -103,27 +104,45 @@ class FakeModelRunner:
                 for table, new_blocks in zip(state.tables, scheduled.new_block_ids):
                     table.extend(new_blocks)
             start, end = scheduled.num_computed_tokens, scheduled.seq_len
-            assert end <= len(state.token_ids), f"{scheduled.request_id}: tokens up to {end} were never sent"
-            assert scheduled.samples == (end == len(state.token_ids))
+            drafts = list(scheduled.spec_token_ids)
+            known = end - len(drafts)  # the request's own tokens end here; drafts follow
+            assert known <= len(state.token_ids), f"{scheduled.request_id}: tokens up to {known} were never sent"
+            assert scheduled.samples == (known == len(state.token_ids))
+            assert not drafts or scheduled.samples, "drafts only follow a decode"
             for table in state.tables:
                 assert len(table) * self.block_size >= end, f"{scheduled.request_id}: its table is too short"
-            inputs = state.token_ids[start:end]
-            self.last_inputs.append(StepInput(scheduled.request_id, start, inputs, scheduled.samples))
+            inputs = state.token_ids[start:known] + drafts
+            self.last_inputs.append(StepInput(scheduled.request_id, start, inputs[:known - start], scheduled.samples))
             for table in state.tables:  # every group's table must hold the same history
                 kv = self._read(table, start - 1) if start else ROOT_STATE
                 for offset, token_id in enumerate(inputs):
                     kv = kv_state(kv, token_id, start + offset)
                     self._write(table, start + offset, kv)
             if scheduled.samples:
-                first = 0 if self.sampling_window is None else max(0, end - self.sampling_window)
-                sampled = next(t for t, w in zip(state.tables, self.windows) if w == self.sampling_window)
-                states = [self._read(sampled, p) for p in range(first, end)]
-                for table, window in zip(state.tables, self.windows):  # every group holds the same history
-                    start_read = first if window is None else max(first, end - window)
-                    assert [self._read(table, p) for p in range(start_read, end)] == states[start_read - first:]
+                # One token per position from the request's last token on; keep the drafts that
+                # equal them, and one more (as the real runner's verification does).
+                kept = []
+                for offset in range(len(drafts) + 1):
+                    token = next_token(self._context(state.tables, known + offset), state.seed, self.vocab_size)
+                    kept.append(token)
+                    if offset == len(drafts) or drafts[offset] != token:
+                        break
+                self.num_drafts += len(drafts)
+                self.num_accepted += len(kept) - 1
                 request_ids.append(scheduled.request_id)
-                token_ids.append([next_token(states, state.seed, self.vocab_size)])
+                token_ids.append(kept)
         return ModelRunnerOutput(request_ids, token_ids, [None] * len(request_ids))
+
+    def _context(self, tables: list[list[int | None]], end: int) -> list[int]:
+        """The KV states sampling reads for the token after position end - 1, checking that every
+        group holds the same history inside what it keeps."""
+        first = 0 if self.sampling_window is None else max(0, end - self.sampling_window)
+        sampled = next(t for t, w in zip(tables, self.windows) if w == self.sampling_window)
+        states = [self._read(sampled, p) for p in range(first, end)]
+        for table, window in zip(tables, self.windows):
+            start_read = first if window is None else max(first, end - window)
+            assert [self._read(table, p) for p in range(start_read, end)] == states[start_read - first:]
+        return states
 
     def _read(self, block_ids: list[int | None], position: int) -> int:
         block_id = block_ids[position // self.block_size]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.paging import KVCacheManager, SlidingWindowSpec
@@ -81,6 +82,10 @@ class Harness:
     steps: list[StepRecord] = field(default_factory=list)
 
     group_specs: list | None = None  # None: one group
+    # Speculative decoding: drafts for a request that gained tokens (the engine's drafter's job).
+    drafter: Callable[[Request], list[int]] | None = None
+
+    _last_drafts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching, self.group_specs)
@@ -114,6 +119,8 @@ class Harness:
             self.outputs[update.request.request_id].extend(update.new_token_ids)
             if update.finished:
                 self.finished[update.request.request_id] = update.request
+            elif self.drafter is not None and update.new_token_ids:
+                update.request.spec_token_ids = self.drafter(update.request)
         self.steps.append(StepRecord(output, updates, self.runner.last_inputs))
         return updates
 
@@ -148,8 +155,8 @@ class Harness:
         for scheduled in output.scheduled:
             assert scheduled.num_new_tokens >= 1
             # A step's diff stays small: the tokens since the last step, whole tables only when needed.
-            if not scheduled.tables_replaced:
-                assert len(scheduled.new_token_ids) <= 1
+            if not scheduled.tables_replaced:  # a decode's token, or the tokens a verifying step kept
+                assert len(scheduled.new_token_ids) <= 1 + self._last_drafts.get(scheduled.request_id, 0)
             if config.long_prefill_token_threshold:
                 assert scheduled.num_new_tokens <= config.long_prefill_token_threshold
         # A window group holds no more than its window and the step need.
@@ -162,6 +169,7 @@ class Harness:
         # then only on the positions both have computed, which the fake model checks.
         stats = self.kv.stats()
         assert stats.blocks_used + stats.blocks_cached + stats.blocks_free == stats.blocks_total
+        self._last_drafts = {s.request_id: len(s.spec_token_ids) for s in output.scheduled}
 
     def assert_idle(self) -> None:
         assert not self.scheduler.has_unfinished_requests()

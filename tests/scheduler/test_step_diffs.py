@@ -74,3 +74,15 @@ def test_a_preempted_request_gets_its_new_tables_whole_and_no_token_twice():
     assert resumed, "the workload was meant to preempt"
     # The runner rebuilt each request's tokens from the diffs: nothing lost, nothing twice.
     assert all(len(h.outputs[r]) == 8 for r in ("old", "new"))
+
+
+def test_the_step_after_the_last_request_ends_still_tells_the_runner():
+    h = Harness(num_blocks=32)
+    h.add(make_request("a", 4, max_tokens=2))
+    h.run()
+    assert "a" in h.runner.requests  # finished in the last update: the runner is told next step
+    output = h.schedule()
+    assert output.scheduled == [] and output.finished_req_ids == ["a"] and not output.is_empty
+    h.update(output)
+    assert h.runner.requests == {}
+    assert h.schedule().is_empty

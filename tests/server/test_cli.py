@@ -112,6 +112,9 @@ def test_every_serve_option_has_an_environment_variable() -> None:
     ([], {"KVSERVE_ENFORCE_EAGER": "sometimes"}, "KVSERVE_ENFORCE_EAGER"),
     (["--tool-call-parser", "pythonic"], {}, "--tool-call-parser"),
     (["--enable-auto-tool-choice"], {}, "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--speculative-config", "{not json"], {}, "--speculative-config"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], {}, "ngram"),
+    (["--speculative-config", '{"method": "ngram"}'], {}, "num_speculative_tokens"),
 ])
 def test_bad_values_exit_2_with_a_message(argv, env, needle, capsys, monkeypatch) -> None:
     for name, value in env.items():

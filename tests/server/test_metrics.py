@@ -215,3 +215,21 @@ def test_promtool_check_metrics_reports_nothing(fed: ServerMetrics) -> None:
     report = (result.stdout + result.stderr).decode()
     assert result.returncode == 0, report
     assert report.strip() == "", report
+
+
+def test_speculative_decoding_counters_follow_the_steps(metrics: ServerMetrics) -> None:
+    import dataclasses
+
+    from tests.server.metrics_workload import build_known_workload
+
+    step = build_known_workload().steps[0]
+    metrics.on_step(dataclasses.replace(step, spec_num_drafts=3, spec_num_draft_tokens=12,
+                                        spec_num_accepted_tokens=5, spec_accepted_per_position=(3, 1, 1, 0)))
+    metrics.on_step(dataclasses.replace(step, spec_num_drafts=1, spec_num_draft_tokens=4,
+                                        spec_num_accepted_tokens=4, spec_accepted_per_position=(1, 1, 1, 1)))
+    assert value(metrics, "kvserve_spec_decode_num_drafts_total") == 4
+    assert value(metrics, "kvserve_spec_decode_num_draft_tokens_total") == 16
+    assert value(metrics, "kvserve_spec_decode_num_accepted_tokens_total") == 9
+    per_position = [value(metrics, "kvserve_spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+                    for p in range(4)]
+    assert per_position == [4, 2, 2, 1]

@@ -1,0 +1,54 @@
+"""Which requests get drafts after a step, and what they are (the n-gram index per request).
+
+    updates of a step ──► NgramDrafter.propose ──► request.spec_token_ids (the scheduler reads them)
+
+A request drafts when its next step is a decode and drafting cannot change what it samples:
+not under presence/frequency/repetition penalties (their counts would have to follow every
+draft position) and not while min_tokens still holds its stop tokens back. Constrained requests
+keep only the drafts their grammar allows (`validate`). A step with more running requests than
+disable_by_batch_size drafts nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kvserve.engine.spec_decode.config import SpeculativeConfig
+from kvserve.engine.spec_decode.ngram_proposer import NgramIndex
+from kvserve.scheduler.request import Request
+
+
+class NgramDrafter:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, requests: Iterable[Request], num_running: int,
+                validate: Callable[[str, list[int]], list[int]] | None = None) -> None:
+        """Sets each request's spec_token_ids for its next step (empty: no drafts)."""
+        config = self.config
+        disabled = config.disable_by_batch_size is not None and num_running > config.disable_by_batch_size
+        for request in requests:
+            if disabled or not _may_draft(request):
+                request.spec_token_ids = []
+                continue
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            drafts = index.propose(request.all_token_ids, config.num_speculative_tokens)
+            if drafts and validate is not None:
+                drafts = validate(request.request_id, drafts)
+            request.spec_token_ids = drafts
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._indexes.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._indexes)
+
+
+def _may_draft(request: Request) -> bool:
+    params = request.sampling_params
+    return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
+            and request.num_output_tokens >= params.min_tokens)
