@@ -14,7 +14,8 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.model.model_shape import resolve_model_shape
 from kvserve.engine.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from kvserve.paging import SUPPORTED_BLOCK_SIZES
-from kvserve.paging.kv_sizing import ModelShape, num_blocks_for_memory, parse_memory_size
+from kvserve.paging.kv_sizing import PRESETS as MODEL_SHAPE_PRESETS
+from kvserve.paging.kv_sizing import ModelShape, blocks_per_decoding_request, num_blocks_for_memory, parse_memory_size
 from kvserve.scheduler import FinishReason, SamplingParams, SamplingParamsError, TokenLogprobs
 from kvserve.scheduler.structured_output_params import GrammarKind, StructuredOutputParams
 
@@ -39,6 +40,8 @@ __all__ = [
     # KV-cache sizing (`kvserve kv-size`, --kv-cache-memory)
     "SUPPORTED_BLOCK_SIZES",
     "ModelShape",
+    "MODEL_SHAPE_PRESETS",
+    "blocks_per_decoding_request",
     "num_blocks_for_memory",
     "parse_memory_size",
     "resolve_model_shape",

@@ -4,6 +4,9 @@
 
 GQA/MQA shrink it by num_heads / num_kv_heads against multi-head attention: Llama-2-70B keeps 8
 KV heads for 64 query heads, so its cache is 8x smaller than an MHA model of the same shape.
+A sliding-window layer (window w) keeps only its last w tokens, a rolling buffer whatever the
+context: Mistral 7B v0.1 (every layer w = 4,096) needs 0.54 GB in fp16 at 32k tokens, 1/8 of
+the 4.29 GB its layers would hold as global ones; Gemma 3 keeps 5 of every 6 layers at w = 1,024.
 Everything here counts bytes: a KV element's size comes in as `dtype_bytes` (the engine passes
 its torch dtype's itemsize; `kvserve kv-size` maps its --kv-dtype names). Shapes come from the
 presets below, or from a checkpoint's metadata, which the engine reads
@@ -16,7 +19,7 @@ import re
 from dataclasses import dataclass, replace
 
 from kvserve.paging.block_allocator import validate_block_size
-from kvserve.paging.kv_cache_spec import FullAttentionSpec, bytes_per_block, group_layers
+from kvserve.paging.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, blocks_per_request, bytes_per_block, group_layers
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -28,6 +31,10 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int | None = None
+    # How many of the layers attend within a sliding window of `sliding_window` tokens (the
+    # rest are global: full attention).
+    sliding_window: int | None = None
+    num_window_layers: int = 0
 
     def __post_init__(self) -> None:
         counts = {"num_layers": self.num_layers, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
@@ -39,6 +46,15 @@ class ModelShape:
                 f"{self.name}: {self.num_heads} query heads cannot be grouped over {self.num_kv_heads} KV heads "
                 "(num_heads must be a multiple of num_kv_heads)"
             )
+        if not 0 <= self.num_window_layers <= self.num_layers:
+            raise ValueError(f"{self.name}: {self.num_window_layers} window layers of {self.num_layers} layers")
+        if (self.sliding_window is None) != (self.num_window_layers == 0) or (self.sliding_window or 1) < 1:
+            raise ValueError(f"{self.name}: window layers need a positive sliding_window and a window needs layers, "
+                             f"got {self.num_window_layers} layers of window {self.sliding_window}")
+
+    @property
+    def num_global_layers(self) -> int:
+        return self.num_layers - self.num_window_layers
 
     @property
     def gqa_factor(self) -> int:
@@ -55,6 +71,10 @@ class ModelShape:
         """The same model with one KV head per query head (what GQA saves against)."""
         return replace(self, num_kv_heads=self.num_heads)
 
+    def as_global(self) -> ModelShape:
+        """The same model with every layer global (what the windows save against)."""
+        return replace(self, sliding_window=None, num_window_layers=0)
+
     def bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for every layer: 2 * L * n_kv_heads * head_dim * dtype_bytes (the layers' specs,
         as the engine plans its cache from them)."""
@@ -63,15 +83,33 @@ class ModelShape:
         return sum(spec.bytes_per_token for spec in self.layer_specs(dtype_bytes))
 
     def kv_cache_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
-        return self.bytes_per_token(dtype_bytes) * num_tokens * batch
+        """The KV a context of `num_tokens` keeps: every token in the global layers, the last
+        `sliding_window` of them in the window layers."""
+        return self.global_bytes(dtype_bytes, num_tokens, batch) + self.window_bytes(dtype_bytes, num_tokens, batch)
+
+    def global_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
+        return self.layer_bytes_per_token(dtype_bytes) * self.num_global_layers * num_tokens * batch
+
+    def window_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
+        kept = min(num_tokens, self.sliding_window or 0)
+        return self.layer_bytes_per_token(dtype_bytes) * self.num_window_layers * kept * batch
+
+    def layer_bytes_per_token(self, dtype_bytes: int) -> int:
+        """One layer's K and V of one token."""
+        return self.bytes_per_token(dtype_bytes) // self.num_layers
 
     def bytes_per_block(self, dtype_bytes: int, block_size: int = 16) -> int:
         return self.bytes_per_token(dtype_bytes) * block_size
 
     def layer_specs(self, dtype_bytes: int, dtype: str = "") -> list[FullAttentionSpec]:
-        """The KV cache spec of every layer, as the engine plans the cache from them."""
-        spec = FullAttentionSpec(self.num_kv_heads, self.head_dim, dtype or f"{dtype_bytes}-byte element", dtype_bytes)
-        return [spec] * self.num_layers
+        """The KV cache spec of every layer, as the engine plans the cache from them (the window
+        layers first: where they sit among the global ones changes no size)."""
+        name = dtype or f"{dtype_bytes}-byte element"
+        full = FullAttentionSpec(self.num_kv_heads, self.head_dim, name, dtype_bytes)
+        if not self.num_window_layers:
+            return [full] * self.num_layers
+        window = SlidingWindowSpec(self.num_kv_heads, self.head_dim, name, dtype_bytes, sliding_window=self.sliding_window)
+        return [window] * self.num_window_layers + [full] * self.num_global_layers
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -82,6 +120,18 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("llama-70b", num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=4096),
         ModelShape("gpt3-175b", num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128, max_position_embeddings=2048),
         ModelShape("smollm2-135m", num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192),
+        # Every layer windowed (config.json's sliding_window: 4096).
+        ModelShape("mistral-7b-v0.1", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                   max_position_embeddings=32768, sliding_window=4096, num_window_layers=32),
+        # Gemma 2: window and global layers alternate.
+        ModelShape("gemma-2-9b", num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256,
+                   max_position_embeddings=8192, sliding_window=4096, num_window_layers=21),
+        # Gemma 3: 5 window layers for each global one (sliding_window_pattern 6).
+        ModelShape("gemma-3-4b", num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256,
+                   max_position_embeddings=131072, sliding_window=1024, num_window_layers=29),
+        ModelShape("gemma-3-27b", num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
+                   max_position_embeddings=131072, sliding_window=1024, num_window_layers=52),
+        ModelShape("qwen3-8b", num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960),
     )
 }
 
@@ -92,6 +142,14 @@ def num_blocks_for_memory(memory_bytes: int, shape: ModelShape, dtype_bytes: int
         raise ValueError(f"memory must be >= 0 bytes, got {memory_bytes}")
     validate_block_size(block_size)
     return memory_bytes // bytes_per_block(group_layers(shape.layer_specs(dtype_bytes)), block_size)
+
+
+def blocks_per_decoding_request(shape: ModelShape, dtype_bytes: int, num_tokens: int, block_size: int = 16) -> int:
+    """Blocks a request of `num_tokens` tokens holds between decode steps, as the engine's layer
+    groups hold them: all of its blocks per global group, ceil((w - 1) / block_size) + 1 per
+    window group."""
+    specs = [group.spec for group in group_layers(shape.layer_specs(dtype_bytes))]
+    return blocks_per_request(specs, num_tokens, block_size, 1)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

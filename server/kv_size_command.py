@@ -3,7 +3,9 @@
     kvserve kv-size --model llama-70b --tokens 4096 32768 --kv-dtype fp16 --memory 80GB
 
 Sizes are printed in GB (10^9 bytes, as papers and spec sheets print them) and GiB (2^30, as
-nvidia-smi and torch print them).
+nvidia-smi and torch print them). A model with sliding-window layers (Mistral 7B v0.1, Gemma 2/3)
+gets its global and window layers apart: a window layer keeps its last w tokens whatever the
+context, so at long contexts the global layers are most of the cache.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvserve.engine import SUPPORTED_BLOCK_SIZES, ModelShape, num_blocks_for_memory, parse_memory_size, resolve_model_shape
+from kvserve.engine import (
+    MODEL_SHAPE_PRESETS, SUPPORTED_BLOCK_SIZES, ModelShape, blocks_per_decoding_request, num_blocks_for_memory,
+    parse_memory_size, resolve_model_shape,
+)
 
 # --kv-dtype name -> bytes per element.
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
@@ -26,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="KV bytes per token = 2 * layers * kv_heads * head_dim * dtype bytes. Prints the cache size "
         "per context length and batch, the GQA/MQA saving, and with --memory how many blocks and requests fit.",
     )
-    parser.add_argument("--model", required=True, help="a preset (gpt2, llama-7b, llama-70b, gpt3-175b, smollm2-135m) "
+    parser.add_argument("--model", required=True, help=f"a preset ({', '.join(MODEL_SHAPE_PRESETS)}) "
                         "or a path to a config.json, an HF model folder or a .gguf file")  # fmt: skip
     parser.add_argument("--tokens", type=_positive_int, nargs="+", required=True, metavar="N", help="context lengths (tokens per request)")
     parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_BYTES), default="fp16", help="KV cache element type (default: fp16)")
@@ -63,6 +68,12 @@ def kv_size_report(
         + ("" if shape.gqa_factor == 1 else f"   (as MHA: {mha.bytes_per_token(dtype_bytes) / 2**10:,.1f} KiB)"),
         "",
     ]
+    if shape.num_window_layers:
+        lines[-1:-1] = [_layers_line(shape)]
+        lines += _window_table(shape, tokens, dtype_bytes, batch)
+        if memory_bytes is not None:
+            lines += ["", *_memory_lines(shape, tokens, kv_dtype, memory_bytes, block_size)]
+        return "\n".join(lines)
     header = f"{'tokens':>10} {'batch':>6} {'KV (GB)':>12} {'KV (GiB)':>12}"
     lines.append(header + ("" if shape.gqa_factor == 1 else f" {'as MHA (GB)':>12}"))
     for num_tokens in tokens:
@@ -74,6 +85,25 @@ def kv_size_report(
     if memory_bytes is not None:
         lines += ["", *_memory_lines(shape, tokens, kv_dtype, memory_bytes, block_size)]
     return "\n".join(lines)
+
+
+def _layers_line(shape: ModelShape) -> str:
+    return (f"layers: {shape.num_global_layers} global (every token) + {shape.num_window_layers} sliding-window "
+            f"(the last {shape.sliding_window:,} tokens each)")
+
+
+def _window_table(shape: ModelShape, tokens: Sequence[int], dtype_bytes: int, batch: int) -> list[str]:
+    """Per context length: the global and window layers' KV apart, their sum, and what the same
+    layers would keep as global ones."""
+    lines = [f"{'tokens':>10} {'batch':>6} {'global (GB)':>12} {'window (GB)':>12} {'KV (GB)':>12} {'KV (GiB)':>12} "
+             f"{'all global (GB)':>16} {'share':>7}"]
+    for num_tokens in tokens:
+        total = shape.kv_cache_bytes(dtype_bytes, num_tokens, batch)
+        unwindowed = shape.as_global().kv_cache_bytes(dtype_bytes, num_tokens, batch)
+        lines.append(f"{num_tokens:>10,} {batch:>6} {shape.global_bytes(dtype_bytes, num_tokens, batch) / GB:>12,.2f} "
+                     f"{shape.window_bytes(dtype_bytes, num_tokens, batch) / GB:>12,.2f} {total / GB:>12,.2f} "
+                     f"{total / GIB:>12,.2f} {unwindowed / GB:>16,.2f} {total / unwindowed:>7.1%}")
+    return lines
 
 
 def _attention_line(shape: ModelShape) -> str:
@@ -93,8 +123,10 @@ def _memory_lines(shape: ModelShape, tokens: Sequence[int], kv_dtype: str, memor
         f"({block_bytes / 10**6:,.3f} MB each) = {num_blocks * block_size:,} tokens",
     ]
     for num_tokens in tokens:
-        blocks_per_request = -(-num_tokens // block_size)
-        lines.append(f"  requests of {num_tokens:,} tokens that fit at once: {num_blocks // blocks_per_request:,}")
+        blocks_per_request = blocks_per_decoding_request(shape, KV_DTYPE_BYTES[kv_dtype], num_tokens, block_size)
+        lines.append(f"  requests of {num_tokens:,} tokens that fit at once: {num_blocks // blocks_per_request:,}"
+                     + (f" ({blocks_per_request:,} blocks each while decoding: a window layer group holds "
+                        f"ceil(({shape.sliding_window:,} - 1) / {block_size}) + 1)" if shape.num_window_layers else ""))
     return lines
 
 

@@ -42,7 +42,10 @@ def eos_token_ids(hf: Mapping[str, Any], generation: Mapping[str, Any] | None) -
 
 def shape_from_hf_dict(name: str, hf: Mapping[str, Any]) -> ModelShape:
     """The KV-deciding fields of a config.json, under Llama's names or GPT-2's (n_layer, n_head,
-    n_embd), for any family: `kvserve kv-size` plans for models the engine does not run."""
+    n_embd), for any family: `kvserve kv-size` plans for models the engine does not run. A
+    multimodal config (Gemma 3's) is read for its text model (`text_config`)."""
+    if "num_hidden_layers" not in hf and isinstance(hf.get("text_config"), Mapping):
+        hf = hf["text_config"]
     layers = hf.get("num_hidden_layers", hf.get("n_layer"))
     heads = hf.get("num_attention_heads", hf.get("n_head"))
     hidden = hf.get("hidden_size", hf.get("n_embd"))
@@ -52,6 +55,7 @@ def shape_from_hf_dict(name: str, hf: Mapping[str, Any]) -> ModelShape:
             "(num_hidden_layers, num_attention_heads, hidden_size)"
         )
     heads = int(heads)
+    window, num_window_layers = window_layers_from_hf(hf, int(layers))
     try:
         return ModelShape(
             name=name,
@@ -60,9 +64,35 @@ def shape_from_hf_dict(name: str, hf: Mapping[str, Any]) -> ModelShape:
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or int(hidden) // heads),
             max_position_embeddings=hf.get("max_position_embeddings", hf.get("n_positions")),
+            sliding_window=window,
+            num_window_layers=num_window_layers,
         )
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from exc
+
+
+def window_layers_from_hf(hf: Mapping[str, Any], num_layers: int) -> tuple[int | None, int]:
+    """(sliding window, how many layers use it) as transformers reads a config.json: its
+    `layer_types` where written ("sliding_attention" layers), else Gemma 3's
+    sliding_window_pattern (every n-th layer global), Gemma 2's alternation (even layers
+    windowed), Mistral's window on every layer; (None, 0) for a model without one. A windowed
+    Qwen2/Qwen3 (use_sliding_window) is left out: the engine serves it capped at its window."""
+    window = hf.get("sliding_window")
+    if not window:
+        return None, 0
+    model_type = str(hf.get("model_type", ""))
+    if isinstance(hf.get("layer_types"), list):
+        count = sum(kind == "sliding_attention" for kind in hf["layer_types"])
+    elif model_type.startswith("gemma3"):
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        count = sum((i + 1) % pattern != 0 for i in range(num_layers))
+    elif model_type == "gemma2":
+        count = (num_layers + 1) // 2
+    elif model_type == "mistral":
+        count = num_layers
+    else:
+        count = 0
+    return (int(window), count) if count else (None, 0)
 
 
 def read_json(path: Path) -> dict[str, Any]:

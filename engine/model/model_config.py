@@ -92,7 +92,8 @@ class ModelConfig:
 
     def kv_shape(self, name: str = "model") -> ModelShape:
         """The attention shape that sizes the KV cache (bytes per token and per block live there)."""
-        return ModelShape(name, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.max_position_embeddings)
+        return ModelShape(name, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.max_position_embeddings,
+                          sliding_window=self.sliding_window, num_window_layers=self.num_layers if self.sliding_window else 0)
 
 
 def end_of_generation_ids(config: ModelConfig, tokenizer_eos_token_id: int | None) -> tuple[int, ...]:

@@ -65,3 +65,28 @@ def test_parse_memory_size(text, size):
 def test_parse_memory_size_rejects_nonsense(text):
     with pytest.raises(ValueError):
         parse_memory_size(text)
+
+
+def test_window_layers_keep_their_window_and_reproduce_the_mistral_figure():
+    mistral = PRESETS["mistral-7b-v0.1"]
+    # fp16, 32k context: the window layers keep 4,096 tokens each, 1/8 of the full cache.
+    assert mistral.kv_cache_bytes(2, 32768) == 32 * 4096 * 4096 == 2**29  # 0.54 GB
+    assert mistral.as_global().kv_cache_bytes(2, 32768) == 2**32  # 4.29 GB
+    assert mistral.kv_cache_bytes(2, 2048) == mistral.as_global().kv_cache_bytes(2, 2048)  # inside the window
+    gemma = PRESETS["gemma-3-27b"]
+    assert (gemma.num_global_layers, gemma.num_window_layers, gemma.sliding_window) == (10, 52, 1024)
+    per_layer_token = 2 * 16 * 128 * 2
+    assert gemma.global_bytes(2, 131072) == 10 * 131072 * per_layer_token
+    assert gemma.window_bytes(2, 131072) == 52 * 1024 * per_layer_token
+    assert PRESETS["qwen3-8b"].num_window_layers == 0 and PRESETS["gemma-3-4b"].num_window_layers == 29
+
+
+def test_a_decoding_request_holds_a_window_of_blocks_per_window_group():
+    from kvserve.paging.kv_sizing import blocks_per_decoding_request
+
+    mistral = PRESETS["mistral-7b-v0.1"]
+    assert blocks_per_decoding_request(mistral, 2, 32768) == 4095 // 16 + 1 + 1 == 257  # one group of 32 layers
+    assert blocks_per_decoding_request(mistral, 2, 100) == 7
+    assert blocks_per_decoding_request(PRESETS["llama-7b"], 2, 4096) == 256
+    with pytest.raises(ValueError, match="window layers need a positive sliding_window"):
+        ModelShape("bad", 4, 8, 8, 64, num_window_layers=2)

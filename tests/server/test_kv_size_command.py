@@ -78,3 +78,47 @@ def test_unknown_model_fails_with_the_presets_listed(capsys):
 def test_bad_arguments_are_rejected_by_the_parser(capsys, argv):
     with pytest.raises(SystemExit):
         kv_size(capsys, "--model", "gpt2", *argv)
+
+
+def window_rows(out: str) -> dict[int, list[float]]:
+    """tokens -> global GB, window GB, KV GB, KV GiB, all-global GB, share %."""
+    rows = {}
+    for line in out.splitlines():
+        numbers = re.findall(r"[\d][\d,]*\.?\d*", line)
+        if line.rstrip().endswith("%") and len(numbers) == 8:
+            values = [float(v.replace(",", "")) for v in numbers]
+            rows[int(values[0])] = values[2:]
+    return rows
+
+
+def test_mistral_window_layers_at_32k_are_an_eighth_of_the_full_cache(capsys):
+    code, out, _ = kv_size(capsys, "--model", "mistral-7b-v0.1", "--tokens", "4096", "32768")
+    assert code == 0
+    assert "layers: 0 global (every token) + 32 sliding-window (the last 4,096 tokens each)" in out
+    global_gb, window_gb, kv_gb, kv_gib, all_global_gb, share = window_rows(out)[32768]
+    assert (global_gb, window_gb, kv_gb, kv_gib, all_global_gb, share) == (0.0, 0.54, 0.54, 0.5, 4.29, 12.5)
+    assert window_rows(out)[4096][-1] == 100.0
+
+
+def test_gemma_3_global_and_window_layers_apart_with_memory(capsys):
+    code, out, _ = kv_size(capsys, "--model", "gemma-3-4b", "--tokens", "131072", "--memory", "24GB")
+    assert code == 0
+    assert "layers: 5 global (every token) + 29 sliding-window (the last 1,024 tokens each)" in out
+    global_gb, window_gb, kv_gb, _, all_global_gb, _ = window_rows(out)[131072]
+    assert global_gb == pytest.approx(5 * 131072 * 4096 / 1e9, abs=0.01)
+    assert window_gb == pytest.approx(29 * 1024 * 4096 / 1e9, abs=0.01)
+    assert kv_gb < all_global_gb / 5
+    assert "blocks each while decoding" in out
+
+
+def test_reads_window_layers_from_a_config_json(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    text = {"model_type": "gemma3_text", "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "hidden_size": 1024, "head_dim": 128, "sliding_window": 512, "sliding_window_pattern": 6}
+    config.write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    code, out, _ = kv_size(capsys, "--model", str(config), "--tokens", "8192")
+    assert code == 0 and "layers: 2 global (every token) + 10 sliding-window (the last 512 tokens each)" in out
+    config.write_text(json.dumps({"model_type": "mistral", "num_hidden_layers": 4, "num_attention_heads": 8,
+                                  "num_key_value_heads": 2, "hidden_size": 512, "sliding_window": 4096}))
+    code, out, _ = kv_size(capsys, "--model", str(config), "--tokens", "8192")
+    assert code == 0 and "layers: 0 global (every token) + 4 sliding-window (the last 4,096 tokens each)" in out
