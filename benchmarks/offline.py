@@ -42,12 +42,13 @@ def row(name: str, output_tokens: int, seconds: float, **extra: Any) -> dict[str
             "tokens_per_s": output_tokens / seconds, **extra}
 
 
-def bench_kvserve(items: list[WorkItem], dtype: str, static_sizes: Sequence[int]) -> list[dict[str, Any]]:
+def bench_kvserve(items: list[WorkItem], dtype: str, static_sizes: Sequence[int],
+                  model: str | None = None, device: str = "auto") -> list[dict[str, Any]]:
     # The KV cache is sized to the workload (every request resident at once), not to free memory,
     # so the run does not depend on what else the machine holds.
     blocks = sum(math.ceil((len(i.prompt_token_ids) + i.output_len) / 16) for i in items) + 64
-    llm = LLM(dtype=dtype, max_num_seqs=max(64, len(items)), max_num_batched_tokens=2048, enable_prefix_caching=False,
-              max_model_len=1024, num_kv_blocks=blocks)
+    llm = LLM(**({"model": model} if model else {}), device=device, dtype=dtype, max_num_seqs=max(64, len(items)),
+              max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=1024, num_kv_blocks=blocks)
     llm.generate([items[0].prompt_token_ids], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     rows = [row("kvserve continuous batching", *run_kvserve_continuous(llm, items), kind="kvserve-continuous")]
     print(f"kvserve continuous: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
@@ -136,22 +137,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=_pair, default=(16, 256), help="LOW,HIGH tokens")
     parser.add_argument("--output-len", type=_pair, default=(16, 256), help="LOW,HIGH tokens")
     parser.add_argument("--dtype", default="auto", help="kvserve dtype name; transformers gets the resolved one")
-    parser.add_argument("--batch-sizes", default="8,16,32", help="static batch sizes")
+    parser.add_argument("--batch-sizes", default="8,16,32", help="static batch sizes ('' for none)")
+    parser.add_argument("--device", default="auto", help="kvserve only: auto, cpu, cuda (benchmarks/gpu_checks.sh)")
+    parser.add_argument("--model", help="kvserve only: the model to load (default: the bundled GGUF), e.g. the "
+                                        "bf16 Hugging Face folder vLLM loads (benchmarks/peers.py)")
     args = parser.parse_args(argv)
 
     items = fixed_workload(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
-    config = EngineConfig(dtype=args.dtype)
+    config = EngineConfig(dtype=args.dtype, device=args.device)
     dtype = resolve_dtype(config, resolve_device(config))
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     print(f"{args.system}: {len(items)} requests, dtype {dtype}, {torch.get_num_threads()} threads", flush=True)
     if args.system == "kvserve":
-        rows = bench_kvserve(items, args.dtype, sizes)
+        rows = bench_kvserve(items, args.dtype, sizes, args.model, args.device)
     elif args.system == "transformers-static":
         rows = bench_transformers_static(items, dtype, sizes)
     else:
         rows = bench_transformers_continuous(items, dtype)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"system": args.system, "dtype": str(dtype).removeprefix("torch."),
+                                    "device": str(resolve_device(config)),
                                     "threads": torch.get_num_threads(), "rows": rows}, indent=2) + "\n")
     return 0
 

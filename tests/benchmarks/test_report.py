@@ -29,7 +29,9 @@ def summary() -> dict[str, Any]:
             {"name": "transformers generate, static batches of 16", "kind": "transformers-static",
              "output_tokens": 9000, "seconds": 60.0, "tokens_per_s": 150.0},
         ],
-        "online": [{"system": "kvserve", "server_command": "kvserve serve --port 1", "result": dict(ONLINE)}],
+        "online": [{"kind": "kvserve", "system": "kvserve", "streams": 64, "round": 1,
+                    "server_command": "kvserve serve --port 1", "result": dict(ONLINE)}],
+        "peer_repeats": 2,
         "sweep": {"num_prompts": 32, "rates": "1,inf", "pngs": ["sweep-kvserve-ttft_cdf.png"],
                   "points": [{**ONLINE, "request_rate": 1.0}, {**ONLINE, "request_rate": "inf"}]},
         "stages": [
@@ -39,6 +41,8 @@ def summary() -> dict[str, Any]:
              "seconds": 1200.0, "note": "killed at the 1200 s limit", "log": ""},
             {"name": "online: llama.cpp llama-server", "status": "skipped", "command": "", "seconds": 0.0,
              "note": "no --llama-server PATH was given", "log": ""},
+            {"name": "online: vLLM", "status": "skipped", "command": "", "seconds": 0.0,
+             "note": "no --with-vllm was given", "log": ""},
         ],
     }
 
@@ -54,11 +58,12 @@ def test_missing_stages_are_reported_with_their_reason() -> None:
     text = render_report(summary())
     assert "- **offline: transformers continuous batching**: timed out. killed at the 1200 s limit" in text
     assert "- **online: llama.cpp llama-server**: skipped. no --llama-server PATH was given" in text
+    assert "- **online: vLLM**: skipped. no --with-vllm was given" in text
 
 
 def test_online_and_sweep_rows_and_plots() -> None:
     text = render_report(summary())
-    assert "| kvserve | 64 | 0 | 40.0 | 1.60 | 218.0 | 900 | 2,000 | 95.0 | 120.0 | 94.0 | 30,000 |" in text
+    assert "| 64 | 1 | kvserve | 64 | 0 | 40.0 | 1.60 | 218.0 | 900 | 2,000 | 95.0 | 120.0 | 94.0 | 30,000 |" in text
     assert "| inf | 64 | 0 | 40.0 |" in text and "| 1.0 | 64 | 0 |" in text
     assert "![sweep-kvserve-ttft_cdf](sweep-kvserve-ttft_cdf.png)" in text
     assert "`kvserve serve --port 1`" in text
@@ -79,6 +84,7 @@ def test_nothing_measured_says_so_instead_of_empty_tables() -> None:
     data.update(offline=[], online=[], sweep={})
     text = render_report(data)
     assert "No offline results." in text and "No online results." in text and "No sweep results." in text
+    assert "No single-stream results." in text
     assert "n/a" not in text
 
 
@@ -137,3 +143,67 @@ def test_the_ceiling_with_prepacked_weights_is_a_second_yardstick() -> None:
 def test_unmeasured_ceiling_profile_and_quantization_say_so() -> None:
     text = render_report(summary())
     assert text.count("Not measured.") == 3
+
+
+def _online_run(kind: str, system: str, streams: int, round_: int, tput: float, ttft: float, tpot: float) -> dict:
+    return {"kind": kind, "system": system, "streams": streams, "round": round_, "server_command": f"{kind} serve",
+            "result": {**ONLINE, "num_prompts": 64, "output_throughput": tput, "median_ttft_ms": ttft,
+                       "median_tpot_ms": tpot}}
+
+
+def _with_peers() -> dict[str, Any]:
+    data = summary()
+    data["online"] = [_online_run("kvserve", "kvserve", 64, 1, 300.0, 800.0, 90.0),
+                      _online_run("vllm", "vLLM 0.32.0 vllm serve (bf16)", 64, 1, 200.0, 1000.0, 110.0),
+                      _online_run("kvserve", "kvserve", 64, 2, 320.0, 700.0, 80.0),
+                      _online_run("vllm", "vLLM 0.32.0 vllm serve (bf16)", 64, 2, 240.0, 900.0, 100.0),
+                      _online_run("kvserve", "kvserve", 1, 1, 30.0, 50.0, 30.0)]
+    data["offline_peers"] = [
+        {"kind": "kvserve", "system": "kvserve LLM.generate", "round": 1, "tokens_per_s": 500.0, "output_tokens": 9000,
+         "seconds": 18.0},
+        {"kind": "vllm", "system": "vLLM 0.32.0 LLM.generate", "round": 1, "tokens_per_s": 400.0, "output_tokens": 9000,
+         "seconds": 22.5},
+        {"kind": "kvserve", "system": "kvserve LLM.generate", "round": 2, "tokens_per_s": 450.0, "output_tokens": 9000,
+         "seconds": 20.0},
+        {"kind": "vllm", "system": "vLLM 0.32.0 LLM.generate", "round": 2, "tokens_per_s": 500.0, "output_tokens": 9000,
+         "seconds": 18.0}]
+    single = [("kvserve-int4", "kvserve --quantization int4", 16.0), ("llama.cpp", "llama.cpp llama-server (Q4_1)", 8.0),
+              ("kvserve", "kvserve", 25.0), ("vllm", "vLLM 0.32.0 vllm serve (bf16)", 25.0)]
+    data["single_stream"] = {"requests": 4, "prompt_len": 32, "output_len": 128, "runs": [
+        {"kind": kind, "system": system, "round": round_, "server_command": "x",
+         "result": {**ONLINE, "median_tpot_ms": ms + round_}} for round_ in (1, 2) for kind, system, ms in single]}
+    return data
+
+
+def test_offline_against_vllm_shows_every_round_its_ratio_and_the_medians() -> None:
+    text = render_report(_with_peers())
+    assert "| 1 | 500.0 | 400.0 | 1.25x |" in text and "| 2 | 450.0 | 500.0 | 0.90x |" in text
+    assert "| median | 475.0 | 450.0 | 1.06x |" in text
+
+
+def test_online_medians_per_stream_count_and_the_ratio_against_each_peer() -> None:
+    text = render_report(_with_peers())
+    assert "| 64 | kvserve | 300.0, 320.0 | 310.0 | 750 | 85.0 | 0 | - |" in text
+    assert "| 64 | vLLM 0.32.0 vllm serve (bf16) | 200.0, 240.0 | 220.0 | 950 | 105.0 | 0 | 1.41x |" in text
+    assert "| 1 | kvserve | 30.0 | 30.0 |" in text
+    assert "- vLLM 0.32.0 vllm serve (bf16): `vllm serve`" in text
+
+
+def test_single_stream_compares_int4_with_llama_cpp_and_bf16_with_vllm() -> None:
+    text = render_report(_with_peers())
+    assert "| kvserve --quantization int4 | 17.00, 18.00 | 17.50 | 1.84x llama.cpp llama-server (Q4_1)'s ms/token |" in text
+    assert "| kvserve | 26.00, 27.00 | 26.50 | 1.00x vLLM 0.32.0 vllm serve (bf16)'s ms/token |" in text
+    assert "| llama.cpp llama-server (Q4_1) | 9.00, 10.00 | 9.50 | - |" in text
+
+
+def test_a_peer_that_failed_to_start_is_listed_with_its_reason() -> None:
+    data = _with_peers()
+    data["stages"].append({"name": "start: vLLM 0.32.0 vllm serve (bf16)", "status": "failed", "command": "vllm serve",
+                           "seconds": 5.0, "note": "the server did not start: exited with code 1", "log": ""})
+    assert "- **start: vLLM 0.32.0 vllm serve (bf16)**: failed. the server did not start" in render_report(data)
+
+
+def test_comparison_png_has_the_peers(tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    write_report(_with_peers(), tmp_path)
+    assert (tmp_path / "comparison.png").stat().st_size > 1000
