@@ -91,10 +91,12 @@ class ReferenceGreedy:
 def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[ReferenceGreedy]:
     """Plain greedy with transformers' own KV cache for a left-padded batch of prompts: no
     stopping at EOS, no logits processors. Batched so the reference costs max_new_tokens
-    forwards, not one per token per prompt."""
+    forwards, not one per token per prompt. Runs on the model's device (benchmarks/gpu_parity.py
+    uses it on CUDA)."""
+    device = next(model.parameters()).device
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     tokens: list[list[int]] = [[] for _ in prompts]
     gaps: list[list[float]] = [[] for _ in prompts]
@@ -104,11 +106,12 @@ def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int) ->
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
             past = out.past_key_values
             top2 = out.logits[:, -1].float().topk(2)
+            values, indices = top2.values.cpu(), top2.indices.cpu()
             for i in range(len(prompts)):
-                tokens[i].append(int(top2.indices[i, 0]))
-                gaps[i].append(float(top2.values[i, 0] - top2.values[i, 1]))
+                tokens[i].append(int(indices[i, 0]))
+                gaps[i].append(float(values[i, 0] - values[i, 1]))
             ids = top2.indices[:, :1]
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype, device=device)], dim=1)
             positions = positions[:, -1:] + 1
     return [ReferenceGreedy(t, g) for t, g in zip(tokens, gaps)]
 
