@@ -9,8 +9,8 @@ Stages, each a subprocess under its own time limit (a stage that fails or times 
 as such and the rest still run):
   1. offline: kvserve continuous vs kvserve static vs transformers `generate` (static batches)
      vs transformers' continuous-batching API, on the fixed workload (benchmarks/workload.py);
-     with --with-vllm also kvserve's and vLLM's `LLM.generate` on the same bf16 Hugging Face
-     folder, alternating (A B A B);
+     offline-peers (with --with-vllm): kvserve's and vLLM's `LLM.generate` on the same bf16
+     Hugging Face folder, alternating (A B A B);
   2. online: `kvserve serve` on 127.0.0.1 driven by kvserve-bench with the same requests as
      token-id prompts at 64, 16 and 1 concurrent streams; `vllm serve` (--with-vllm) and llama.cpp's
      llama-server (--llama-server PATH or --build-llama-server) likewise, alternating with kvserve;
@@ -61,7 +61,7 @@ DEFAULT_GGUF = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.
 OWN_OUTPUTS = ("REPORT.md", "summary.json", "workload.jsonl", "single-stream.jsonl", COMPARISON_PNG, "offline-*.json",
                "online-*.json", "single-*.json", "sweep-kvserve*", "ceiling.json", "step_profile.json",
                "quantization.json", "logs/*.log")
-STAGES = ("offline", "online", "sweep", "single-stream", "ceiling", "profile", "quantization")
+STAGES = ("offline", "offline-peers", "online", "sweep", "single-stream", "ceiling", "profile", "quantization")
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the three took 8 of the full run's minutes.
     p.add_argument("--transformers-batch-sizes", default="32", help="e.g. 8,16,32: the report shows each and the best")
     p.add_argument("--sweep-rates", default="1,2,4,8,inf")
-    p.add_argument("--stages", default=",".join(STAGES), help="subset to run, e.g. online,sweep")
+    p.add_argument("--stages", default=",".join(STAGES), help="subset to run, e.g. offline-peers,online")
     p.add_argument("--server-startup-timeout", type=float, default=300.0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads for every system (OMP_NUM_THREADS, llama-server -t); default: all cores. "
@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if "offline" in wanted:
         offline_results, summary["offline"] = offline_stages(args, plan, out_dir)
         stages += offline_results
+    if "offline-peers" in wanted:
         peer_results, summary["offline_peers"] = offline_peer_stages(args, plan, out_dir, peers)
         stages += peer_results
     if wanted & {"online", "sweep", "single-stream"}:
