@@ -7,6 +7,12 @@ KV heads for 64 query heads, so its cache is 8x smaller than an MHA model of the
 A sliding-window layer (window w) keeps only its last w tokens, a rolling buffer whatever the
 context: Mistral 7B v0.1 (every layer w = 4,096) needs 0.54 GB in fp16 at 32k tokens, 1/8 of
 the 4.29 GB its layers would hold as global ones; Gemma 3 keeps 5 of every 6 layers at w = 1,024.
+Latent attention (MLA: DeepSeek-V2/V3) keeps one vector per token and layer instead:
+
+    latent bytes per token = layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes
+
+against 2 x heads x head_dim per layer for the MHA cache of the same model (its keys are
+qk_nope + qk_rope wide, its values v_head_dim).
 Everything here counts bytes: a KV element's size comes in as `dtype_bytes` (the engine passes
 its torch dtype's itemsize; `kvserve kv-size` maps its --kv-dtype names). Shapes come from the
 presets below, or from a checkpoint's metadata, which the engine reads
@@ -19,7 +25,7 @@ import re
 from dataclasses import dataclass, replace
 
 from kvserve.paging.block_allocator import validate_block_size
-from kvserve.paging.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, blocks_per_request, bytes_per_block, group_layers
+from kvserve.paging.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec, blocks_per_request, bytes_per_block, group_layers
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -29,12 +35,16 @@ class ModelShape:
     num_layers: int
     num_heads: int  # query heads
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of the keys
     max_position_embeddings: int | None = None
     # How many of the layers attend within a sliding window of `sliding_window` tokens (the
     # rest are global: full attention).
     sliding_window: int | None = None
     num_window_layers: int = 0
+    # Latent attention: each layer caches kv_lora_rank + qk_rope_head_dim values per token.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    v_head_dim: int | None = None  # the values' head_dim where it differs from the keys'
 
     def __post_init__(self) -> None:
         counts = {"num_layers": self.num_layers, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
@@ -63,13 +73,20 @@ class ModelShape:
 
     @property
     def attention_kind(self) -> str:
+        if self.kv_lora_rank is not None:
+            return "MLA"
         if self.num_kv_heads == self.num_heads:
             return "MHA"
         return "MQA" if self.num_kv_heads == 1 else "GQA"
 
+    @property
+    def cache_saving(self) -> float:
+        """How many times smaller the cache is than the same model's MHA cache."""
+        return self.as_mha().bytes_per_token(1) / self.bytes_per_token(1)
+
     def as_mha(self) -> ModelShape:
-        """The same model with one KV head per query head (what GQA saves against)."""
-        return replace(self, num_kv_heads=self.num_heads)
+        """The same model with one KV head per query head (what GQA and MLA save against)."""
+        return replace(self, num_kv_heads=self.num_heads, kv_lora_rank=None)
 
     def as_global(self) -> ModelShape:
         """The same model with every layer global (what the windows save against)."""
@@ -101,14 +118,21 @@ class ModelShape:
     def bytes_per_block(self, dtype_bytes: int, block_size: int = 16) -> int:
         return self.bytes_per_token(dtype_bytes) * block_size
 
-    def layer_specs(self, dtype_bytes: int, dtype: str = "") -> list[FullAttentionSpec]:
+    def layer_specs(self, dtype_bytes: int, dtype: str = "") -> list[KVCacheSpec]:
         """The KV cache spec of every layer, as the engine plans the cache from them (the window
         layers first: where they sit among the global ones changes no size)."""
         name = dtype or f"{dtype_bytes}-byte element"
-        full = FullAttentionSpec(self.num_kv_heads, self.head_dim, name, dtype_bytes)
+        if self.kv_lora_rank is not None:
+            return [MLAAttentionSpec(self.kv_lora_rank, self.qk_rope_head_dim, name, dtype_bytes)] * self.num_layers
+        # Keys and values of different widths (an MLA model's MHA equivalent) cost as much as
+        # both at their mean width: the spec's head_size is per K and per V.
+        head_size = self.head_dim if self.v_head_dim is None else (self.head_dim + self.v_head_dim) / 2
+        if head_size != int(head_size):
+            raise ValueError(f"{self.name}: keys of {self.head_dim} and values of {self.v_head_dim} dims have no whole mean width")
+        full = FullAttentionSpec(self.num_kv_heads, int(head_size), name, dtype_bytes)
         if not self.num_window_layers:
             return [full] * self.num_layers
-        window = SlidingWindowSpec(self.num_kv_heads, self.head_dim, name, dtype_bytes, sliding_window=self.sliding_window)
+        window = SlidingWindowSpec(self.num_kv_heads, int(head_size), name, dtype_bytes, sliding_window=self.sliding_window)
         return [window] * self.num_window_layers + [full] * self.num_global_layers
 
 
@@ -132,6 +156,11 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("gemma-3-27b", num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
                    max_position_embeddings=131072, sliding_window=1024, num_window_layers=52),
         ModelShape("qwen3-8b", num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960),
+        # DeepSeek's config.json: qk_nope_head_dim 128 + qk_rope_head_dim 64 = 192-dim keys, 128-dim values.
+        ModelShape("deepseek-v2-lite", num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192, max_position_embeddings=163840,
+                   kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128),
+        ModelShape("deepseek-v3", num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192, max_position_embeddings=163840,
+                   kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128),
     )
 }
 

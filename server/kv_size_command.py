@@ -28,8 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "kv-size",
         help="print the KV cache size of a model at given context lengths",
-        description="KV bytes per token = 2 * layers * kv_heads * head_dim * dtype bytes. Prints the cache size "
-        "per context length and batch, the GQA/MQA saving, and with --memory how many blocks and requests fit.",
+        description="KV bytes per token = 2 * layers * kv_heads * head_dim * dtype bytes (latent attention: layers * "
+        "(kv_lora_rank + qk_rope_head_dim) * dtype bytes). Prints the cache size per context length and batch, the "
+        "GQA/MQA/MLA saving against MHA, and with --memory how many blocks and requests fit.",
     )
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(MODEL_SHAPE_PRESETS)}) "
                         "or a path to a config.json, an HF model folder or a .gguf file")  # fmt: skip
@@ -61,11 +62,12 @@ def kv_size_report(
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     per_token = shape.bytes_per_token(dtype_bytes)
     mha = shape.as_mha()
+    saves = shape.attention_kind != "MHA"
     lines = [
-        f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim}",
+        _shape_line(shape),
         _attention_line(shape),
         f"KV per token ({kv_dtype}): {per_token:,} bytes = {per_token / 2**10:,.1f} KiB"
-        + ("" if shape.gqa_factor == 1 else f"   (as MHA: {mha.bytes_per_token(dtype_bytes) / 2**10:,.1f} KiB)"),
+        + (f"   (as MHA: {mha.bytes_per_token(dtype_bytes):,} bytes = {mha.bytes_per_token(dtype_bytes) / 2**10:,.1f} KiB)" if saves else ""),
         "",
     ]
     if shape.num_window_layers:
@@ -75,11 +77,11 @@ def kv_size_report(
             lines += ["", *_memory_lines(shape, tokens, kv_dtype, memory_bytes, block_size)]
         return "\n".join(lines)
     header = f"{'tokens':>10} {'batch':>6} {'KV (GB)':>12} {'KV (GiB)':>12}"
-    lines.append(header + ("" if shape.gqa_factor == 1 else f" {'as MHA (GB)':>12}"))
+    lines.append(header + (f" {'as MHA (GB)':>12}" if saves else ""))
     for num_tokens in tokens:
         size = shape.kv_cache_bytes(dtype_bytes, num_tokens, batch)
         row = f"{num_tokens:>10,} {batch:>6} {size / GB:>12,.2f} {size / GIB:>12,.2f}"
-        if shape.gqa_factor > 1:
+        if saves:
             row += f" {mha.kv_cache_bytes(dtype_bytes, num_tokens, batch) / GB:>12,.2f}"
         lines.append(row)
     if memory_bytes is not None:
@@ -106,7 +108,19 @@ def _window_table(shape: ModelShape, tokens: Sequence[int], dtype_bytes: int, ba
     return lines
 
 
+def _shape_line(shape: ModelShape) -> str:
+    line = f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} query heads, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim}"
+    if shape.v_head_dim is not None:
+        line += f" (values {shape.v_head_dim})"
+    if shape.kv_lora_rank is not None:
+        line += f", latent {shape.kv_lora_rank} + rope {shape.qk_rope_head_dim}"
+    return line
+
+
 def _attention_line(shape: ModelShape) -> str:
+    if shape.attention_kind == "MLA":
+        return (f"attention: MLA, one latent of {shape.kv_lora_rank} + {shape.qk_rope_head_dim} values per token and layer "
+                f"for all {shape.num_heads} heads: the KV cache is {shape.cache_saving:.1f}x smaller than with MHA")
     if shape.attention_kind == "MHA":
         return "attention: MHA (one KV head per query head; no GQA saving)"
     return (

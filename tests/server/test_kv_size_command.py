@@ -122,3 +122,17 @@ def test_reads_window_layers_from_a_config_json(capsys, tmp_path):
                                   "num_key_value_heads": 2, "hidden_size": 512, "sliding_window": 4096}))
     code, out, _ = kv_size(capsys, "--model", str(config), "--tokens", "8192")
     assert code == 0 and "layers: 0 global (every token) + 4 sliding-window (the last 4,096 tokens each)" in out
+
+
+@pytest.mark.parametrize(("model", "layers", "heads", "saving"), [("deepseek-v2-lite", 27, 16, "8.9"), ("deepseek-v3", 61, 128, "71.1")])
+def test_latent_attention_presets_against_the_same_models_mha_cache(capsys, model, layers, heads, saving):
+    # MLA: one latent of 512 + 64 values per token and layer; MHA: 192-dim keys and 128-dim values per head.
+    code, out, _ = kv_size(capsys, "--model", model, "--tokens", "32768", "--kv-dtype", "bf16", "--memory", "80GB")
+    assert code == 0
+    latent, mha = layers * 576 * 2, layers * heads * (192 + 128) * 2
+    assert f"KV per token (bf16): {latent:,} bytes" in out and f"as MHA: {mha:,} bytes" in out
+    assert "attention: MLA" in out and f"{saving}x smaller than with MHA" in out
+    gb, _, mha_gb = table_rows(out)[32768]
+    assert gb == pytest.approx(latent * 32768 / 1e9, abs=0.01) and mha_gb == pytest.approx(mha * 32768 / 1e9, abs=0.01)
+    blocks = 80 * 10**9 // (latent * 16)
+    assert f"{blocks:,} blocks of 16 tokens" in out
