@@ -43,9 +43,21 @@ class GGUFCheckpoint:
         self.where = str(path)
         self._path = path
         self._tensors: dict[str, tuple[gguf.ReaderTensor, GGUFTensor]] = {}
+        # Tensors that are one transformers tensor each only after a cut or a join: an expert's
+        # slice of a stacked tensor ([experts, out, in]: name -> (tensor, e)), and DeepSeek's
+        # kv_b_proj from its per-head K and V parts.
+        self._experts: dict[str, tuple[gguf.ReaderTensor, int]] = {}
+        self._kv_b: dict[str, dict[str, gguf.ReaderTensor]] = {}
         for tensor in reader.tensors:
             place = family.gguf_tensor(config, tensor.name)
-            if place is not None:
+            if place is None:
+                continue
+            if place.stacked_experts:
+                for expert in range(int(tensor.shape[-1])):  # GGUF lists shapes reversed
+                    self._experts[place.hf_name.format(expert)] = (tensor, expert)
+            elif place.kv_b_part is not None:
+                self._kv_b.setdefault(place.hf_name, {})[place.kv_b_part] = tensor
+            else:
                 self._tensors[place.hf_name] = (tensor, place)
 
     def __enter__(self) -> "GGUFCheckpoint":
@@ -55,27 +67,56 @@ class GGUFCheckpoint:
         """The reader's memory map closes with the reader."""
 
     def names(self) -> frozenset[str]:
-        return frozenset(self._tensors)
+        return frozenset(self._tensors) | frozenset(self._experts) | frozenset(self._kv_b)
 
     def _tensor(self, name: str) -> tuple[gguf.ReaderTensor, GGUFTensor]:
         if name not in self._tensors:
             raise CorruptModelError(missing(self.where, name))
         return self._tensors[name]
 
+    def _kv_b_parts(self, name: str) -> tuple[gguf.ReaderTensor, gguf.ReaderTensor]:
+        parts = self._kv_b[name]
+        if set(parts) != {"k", "v"}:
+            raise CorruptModelError(f"{self.where}: {name!r} needs both attn_k_b and attn_v_b, found only attn_{''.join(parts)}_b")
+        return parts["k"], parts["v"]
+
+    @staticmethod
+    def _numpy_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensor(name)[0].shape.tolist()))
+        if name in self._experts:
+            return self._numpy_shape(self._experts[name][0])[1:]
+        if name in self._kv_b:
+            k_b, v_b = (self._numpy_shape(t) for t in self._kv_b_parts(name))  # [H, L, nope], [H, v, L]
+            return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
+        return self._numpy_shape(self._tensor(name)[0])
 
     def read(self, name: str, dim: int | None, start: int, stop: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
-        tensor, place = self._tensor(name)
-        array = self._dequantized(tensor, dim, start, stop)
+        if name in self._experts or name in self._kv_b:
+            if dim is not None:
+                raise CorruptModelError(f"{self.where}: {name!r} is cut from a stacked or split GGUF tensor and is read whole only")
+            array, place, label = self._joined(name), GGUFTensor(name), name
+        else:
+            tensor, place = self._tensor(name)
+            array, label = self._dequantized(tensor, dim, start, stop), tensor.name
         if not np.isfinite(array).all():
-            raise CorruptModelError(f"{self._path}: tensor {tensor.name!r} holds NaN or infinite values; the file is damaged")
+            raise CorruptModelError(f"{self._path}: tensor {label!r} holds NaN or infinite values; the file is damaged")
         if place.rope_rows_per_head is not None:
             array = unpermute_rope_rows(array, array.shape[0] // place.rope_rows_per_head)
         if not array.flags.writeable:  # F32/F16 tensors are views of the read-only memory map
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+    def _joined(self, name: str) -> np.ndarray:
+        if name in self._experts:
+            tensor, expert = self._experts[name]
+            return self._dequantize(tensor, tensor.data[expert]).reshape(self.shape(name))
+        k_tensor, v_tensor = self._kv_b_parts(name)
+        k_b = self._dequantize(k_tensor, k_tensor.data).reshape(self._numpy_shape(k_tensor))  # [H, L, nope]
+        v_b = self._dequantize(v_tensor, v_tensor.data).reshape(self._numpy_shape(v_tensor))  # [H, v, L]
+        return np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(self.shape(name))
 
     def _dequantized(self, tensor: gguf.ReaderTensor, dim: int | None, start: int, stop: int) -> np.ndarray:
         data = tensor.data

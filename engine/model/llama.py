@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from kvserve.engine.model.decoder_stack import run_decoder
 from kvserve.engine.model.gated_mlp import GatedMLP
 from kvserve.engine.model.gguf_metadata import GGUFFields
 from kvserve.engine.model.hf_config import eos_token_ids, rope_from_hf, shape_from_hf_dict
@@ -89,19 +90,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: list[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] tokens of many requests, flattened; one KV cache and one
-        attention metadata per layer (layers of one group share theirs). Returns hidden [T, hidden]."""
-        if len(kv_caches) != len(self.layers) or len(attn_metadata) != len(self.layers):
-            raise ValueError(f"need one (key, value) cache and one attention metadata per layer: {len(self.layers)}, "
-                             f"got {len(kv_caches)} and {len(attn_metadata)}")
-        if input_ids.shape != positions.shape or input_ids.shape[0] != attn_metadata[0].num_tokens:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
-                             f"slot_mapping ({attn_metadata[0].num_tokens}) must all have one entry per token")
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, x.dtype)
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata):
-            x = layer(x, rope, kv_cache, meta, attention)
-        return self.norm(x)
+        return run_decoder(self, input_ids, positions, kv_caches, attn_metadata, attention)
 
     def kv_cache_specs(self, dtype: str, dtype_bytes: int) -> list[FullAttentionSpec]:
         """What each layer keeps in the KV cache (the runner groups and sizes the cache from it):
@@ -143,6 +132,9 @@ def config_from_hf(architecture: str, hf: Mapping[str, Any], generation: Mapping
         # computing something else.
         max_pos = min(max_pos, int(sliding_window))
     theta, scaling = rope_from_hf(hf)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        # rope.py computes YaRN as transformers does, but it is verified only for DeepSeek here.
+        raise ModelConfigError("rope scaling 'yarn' is not supported for Llama-family models")
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(hf["vocab_size"]),

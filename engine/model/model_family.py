@@ -43,8 +43,10 @@ class WeightTarget:
 @dataclass(frozen=True)
 class CheckpointLayout:
     targets: tuple[WeightTarget, ...]
-    # Tensors a checkpoint may hold that are not loaded (a tied model's copy of lm_head).
+    # Tensors a checkpoint may hold that are not loaded (a tied model's copy of lm_head), and
+    # name prefixes of such tensors (DeepSeek-V3's multi-token-prediction layer).
     ignored: frozenset[str] = field(default_factory=frozenset)
+    ignored_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,12 @@ class GGUFTensor:
 
     hf_name: str
     rope_rows_per_head: int | None = None
+    # llama.cpp stacks a MoE layer's experts in one [experts, out, in] tensor: hf_name holds "{}"
+    # for the expert index, and expert e's slice is that transformers tensor.
+    stacked_experts: bool = False
+    # Newer llama.cpp converters split DeepSeek's kv_b_proj per head into attn_k_b ([heads,
+    # latent, nope], transposed) and attn_v_b ([heads, v, latent]): "k" or "v", rejoined on load.
+    kv_b_part: str | None = None
 
 
 @dataclass(frozen=True)

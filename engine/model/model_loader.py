@@ -54,7 +54,7 @@ def build_model(family: ModelFamily, config: ModelConfig, checkpoint: Checkpoint
                 device: torch.device, parallel: TensorParallel = SINGLE) -> CausalLM:
     """Builds the rank's module on the meta device and adopts its slice of every weight."""
     layout = family.checkpoint_layout(config)
-    _check_names(checkpoint, layout.targets, layout.ignored)
+    _check_names(checkpoint, layout.targets, layout.ignored, layout.ignored_prefixes)
     with torch.device("meta"):
         full_shapes = {name: getattr(*slot).shape for name, slot in _slots(family.build(config, SINGLE)).items()}
         model = family.build(config, parallel)
@@ -95,9 +95,10 @@ def _sharing(slots: dict[str, Slot]) -> dict[int, list[Slot]]:
     return by_parameter
 
 
-def _check_names(checkpoint: Checkpoint, targets: tuple[WeightTarget, ...], ignored: frozenset[str]) -> None:
+def _check_names(checkpoint: Checkpoint, targets: tuple[WeightTarget, ...], ignored: frozenset[str],
+                 ignored_prefixes: tuple[str, ...] = ()) -> None:
     expected = {source for target in targets for source in target.sources}
-    unexpected = sorted(checkpoint.names() - expected - ignored)
+    unexpected = sorted(n for n in checkpoint.names() - expected - ignored if not n.startswith(ignored_prefixes))
     if unexpected:
         raise CorruptModelError(f"{checkpoint.where}: unexpected weights {unexpected[:5]}"
                                 f"{' ...' if len(unexpected) > 5 else ''}; the checkpoint does not match its config")

@@ -5,6 +5,8 @@
     model.compute_logits(hidden [N, hidden]) -> logits [N, vocab]   (model dtype)
     model.layers: nn.ModuleList; each called as layer(x, rope, kv_cache, meta, attention)
     model.dtype: the dtype of its hidden states (and of the rope tables it passes the layers)
+    model.compiles (optional, default True): False for a model the compiled forward cannot run
+        (its layers are not all alike): the engine runs it eagerly
     model.kv_cache_specs(dtype, dtype_bytes) -> one KVCacheSpec per layer (paging/kv_cache_spec.py):
         what each layer keeps in the cache, from the layers themselves (a tensor-parallel rank's
         layers hold its share of the heads); the runner groups and sizes the cache from it

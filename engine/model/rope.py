@@ -2,7 +2,8 @@
 llama.cpp's interleaved permutation of Q/K so both formats use this one).
 
 Scaling follows transformers' definitions: linear (positions / factor), llama3 (per-frequency
-wavelength-dependent factors) and dynamic NTK. Dynamic NTK is computed *per token* from its own
+wavelength-dependent factors), YaRN (interpolated and extrapolated frequencies blended over a
+ramp, cos and sin scaled by its attention factor) and dynamic NTK. Dynamic NTK is computed *per token* from its own
 position: a token's key is cached once, so its rotation must not depend on what else is in the
 batch. This equals transformers' token-by-token decode exactly.
 """
@@ -35,6 +36,32 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: floa
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention factor) as transformers' YaRN computes them: frequencies
+    that turn fewer than beta_slow times over the original context are interpolated (/ factor),
+    those turning more than beta_fast times kept, those between blended linearly."""
+    factor, original = float(scaling["factor"]), int(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001), 0, 1)
+    extrapolated = 1 - ramp
+    return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated, float(attention_factor)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -58,6 +85,9 @@ class RotaryEmbedding(torch.nn.Module):
                                        int(scaling["original_max_position_embeddings"]))
         elif self.rope_type == "linear":
             inv_freq = inv_freq / self.factor  # same as positions / factor, rounded as transformers does
+        self.attention_factor = 1.0  # YaRN's: multiplies cos and sin
+        if self.rope_type == "yarn":
+            inv_freq, self.attention_factor = yarn_inv_freq(inv_freq, config.head_dim, config.rope_theta, scaling)
         if config.rope_freq_factors is not None:
             # Per-frequency divisors from a GGUF's `rope_freqs.weight` (llama.cpp's encoding of
             # llama3 scaling), applied on top of the config's scaling.
@@ -86,6 +116,8 @@ class RotaryEmbedding(torch.nn.Module):
         """cos, sin [T, D] for the tokens at `positions`: computed once per forward, shared by all layers."""
         freqs = self._freqs(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

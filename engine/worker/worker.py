@@ -110,8 +110,11 @@ def _build_runner(spec: WorkerSpec, device: torch.device, parallel: TensorParall
     # From the rank's own layers: they hold its share of the KV heads.
     kv_cache_config = plan_rank_kv_cache(config, layer_kv_specs(model, kv_dtype), spec.max_model_len, weights_bytes,
                                          parallel, device)
+    # The compiled forward runs every layer through one graph; a model whose layers differ
+    # (DeepSeek's dense and MoE layers) says so (`compiles`) and runs eagerly.
+    compiled = spec.compiled and getattr(model, "compiles", True)
     runner = ModelRunner(model, model_config, kv_cache_config, kv_dtype, attention_backend(config, device), device,
-                         spec.eos_token_ids, compiled=spec.compiled)
-    if spec.compiled:
+                         spec.eos_token_ids, compiled=compiled)
+    if compiled:
         compile_at_start_up(runner.warm_up)
     return runner

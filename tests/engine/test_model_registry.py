@@ -31,7 +31,7 @@ def test_each_config_json_class_name_picks_its_family_and_maps_back() -> None:
             assert config.architecture == architecture
             assert family_of(config) is family
             assert hf_architecture_name(architecture) == hf_class
-    assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "qwen2")
+    assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
 
 
 def test_model_type_alone_picks_the_family_when_architectures_is_absent() -> None:
@@ -44,7 +44,8 @@ def test_an_unknown_architecture_lists_every_supported_one_in_both_spellings() -
         model_config_from_hf_dict({**LLAMA3_HF, "architectures": ["Gemma3ForCausalLM"]})
     message = str(error.value)
     assert "'Gemma3ForCausalLM' is not supported" in message
-    assert "llama, mistral, qwen2" in message and "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in message
+    assert "llama, mistral, qwen2, deepseek_v2, deepseek_v3" in message
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM" in message
 
 
 class ParallelBlock(nn.Module):
