@@ -13,12 +13,10 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from kvserve.engine import parse_memory_size
-from kvserve.engine.config import (
+from kvserve.engine import (
     DEFAULT_MODEL, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, ConfigError, EngineConfig,
+    ModelNotFoundError, check_tensor_parallel, load_model_config, parse_memory_size, resolve_model,
 )
-from kvserve.engine.model.model_errors import ModelNotFoundError
-from kvserve.engine.model.model_source import resolve_model
 from kvserve.server import kv_size_command
 from kvserve.server.limits import ServerLimits
 from kvserve.server.reasoning import REASONING_PARSERS
@@ -262,10 +260,7 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _check_tensor_parallel(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
     """A size that does not divide the model's heads is a usage error (exit 2), found from the
-    model's metadata before any weight loads or worker starts. Imported here: it needs torch."""
-    from kvserve.engine.model.registry import load_model_config
-    from kvserve.engine.model.tensor_parallel import check_tensor_parallel
-
+    model's metadata before any weight loads or worker starts."""
     try:
         check_tensor_parallel(load_model_config(resolve_model(config.model).path), config.tensor_parallel_size)
     except ConfigError as error:

@@ -11,10 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvserve.engine.config import EngineConfig
-from kvserve.engine import RequestOutput, SamplingParams
-from kvserve.engine.stats import EngineLoad
-from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine import EngineConfig, EngineLoad, ModelConfig, RequestOutput, SamplingParams
 
 
 class ServingTokenizer(Protocol):

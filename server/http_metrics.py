@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.engine.stats import EngineLoad
+from kvserve.engine import EngineLoad
 from kvserve.server.errors import CLIENT_CLOSED_REQUEST
 
 UNMATCHED_ROUTE = "unmatched"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvserve.engine.config import ConfigError
+from kvserve.engine import ConfigError
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.engine.stats import FinishedRequestStats, StepStats
+from kvserve.engine import FinishedRequestStats, StepStats
 
 DEFAULT_LOGGER_NAME = "kvserve.stats"
 

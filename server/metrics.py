@@ -32,8 +32,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from kvserve.engine import FinishReason
-from kvserve.engine.stats import EngineLoad, FinishedRequestStats, StepStats
+from kvserve.engine import EngineLoad, FinishedRequestStats, FinishReason, StepStats
 from kvserve.server.connection_guard import REFUSED_HEADER_TIMEOUT, REFUSED_HEADERS_TOO_LARGE, REFUSED_LIMIT
 
 # Buckets span a slow CPU deployment (a 135M model decodes at ~30 ms/token and a long prompt can

@@ -22,9 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.config import ConfigError, EngineConfig
-from kvserve.engine.stats import StatsListener
+from kvserve.engine import AsyncEngine, ConfigError, EngineConfig, StatsListener
 from kvserve.server.app import build_app, serving_state
 from kvserve.server.connection_guard import ConnectionLimits, ConnectionListener, ensure_descriptors, guarded_protocol
 from kvserve.server.info_routes import kvserve_version

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.engine.config import ConfigError
+from kvserve.engine import ConfigError
 from kvserve.server.limits import ServerLimits
 from kvserve.server.reasoning import REASONING_PARSERS, ReasoningStyle
 from kvserve.server.tool_parsers import FAMILY_CALL_IDS, TOOL_CALL_PARSERS, OutputParser, new_call_id

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from kvserve.engine.model.registry import hf_architecture_name
+from kvserve.engine import hf_architecture_name
 from kvserve.server.engine_protocol import ServingEngine
 from kvserve.server.errors import unavailable
 from kvserve.server.info_routes import kvserve_version
