@@ -3,8 +3,11 @@
     scheduler_output = scheduler.schedule()
     runner_output    = executor.execute(scheduler_output)       # every rank's model runner
     updates          = scheduler.update_from_output(scheduler_output, runner_output)
+    outputs          = output_processor.process(updates)          # what the user sees
 
-plus what the user sees: detokenized, stop-string-checked RequestOutput deltas and stats records.
+OutputProcessor (output_processor.py) turns the updates into detokenized, stop-string-checked
+RequestOutput deltas, advancing grammar matchers; this loop finishes what a stop string ended and
+emits the stats records.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kvserve.engine.admission import AdmissionCheck
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.executor import Executor
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.output_tracker import OutputTracker, child_request_id
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.structured_output import GrammarCompiler, StructuredOutputManager, XGrammarCompile
@@ -55,6 +59,7 @@ class LLMEngine:
         self.tracker = OutputTracker(tokenizer)
         self.grammar_compiler = GrammarCompiler(XGrammarCompile(tokenizer, model_config.vocab_size, self.eos_token_ids))
         self.structured_output = StructuredOutputManager(model_config.vocab_size)
+        self.output_processor = OutputProcessor(self.tracker, self.structured_output)
         self._seed_rng = random.Random(config.seed)
         self._last_prefix_stats = (0, 0)
         spec = config.speculative_config
@@ -200,44 +205,16 @@ class LLMEngine:
         runner_output = (self.executor.execute(scheduler_output) if token_mask is None
                          else self.executor.execute(scheduler_output, token_mask))
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        now = time.monotonic()
-        for child_id, piece in runner_output.prompt_logprobs.items():
-            self.tracker.on_prompt_logprobs(child_id, piece)
-
-        touched = {}
-        for update in updates:
-            child_id = update.request.request_id
-            group = self.tracker.group_of(child_id)
-            touched[group.request_id] = group
-            request = update.request
-            # The scheduler's stop check ends a request on its EOS / stop token id (reason STOP);
-            # stop strings end it below, after detokenizing.
-            ended_by_stop_token = update.finished and request.finish_reason is FinishReason.STOP
-            stop_string = self.tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now,
-                                                 ended_by_stop_token)
-            # No mask: no row of this step is constrained (a constrained row that did not sample
-            # gained no token and cannot have finished), so there is nothing to advance.
-            if token_mask is not None and child_id in self.structured_output:
-                self.structured_output.accept(child_id, update.new_token_ids)
-                if update.finished or stop_string is not None:
-                    self.structured_output.remove(child_id)
-            if stop_string is not None and not update.finished:
-                self.scheduler.finish_requests([child_id], FinishReason.STOP, stop_string)
-            if stop_string is not None:
-                self._emit_finished(self.tracker.on_finished(child_id, FinishReason.STOP, stop_string, now))
-            elif update.finished and request.finish_reason is not None:  # the scheduler's stop check set it
-                self._emit_finished(self.tracker.on_finished(child_id, request.finish_reason, request.stop_reason, now))
-
+        processed = self.output_processor.process(updates, runner_output.prompt_logprobs, time.monotonic(),
+                                                  constrained=token_mask is not None)
+        for child_id, stop_string in processed.stopped:  # ended by a stop string: still running here
+            self.scheduler.finish_requests([child_id], FinishReason.STOP, stop_string)
+        for stats in processed.finished:
+            self._emit_finished(stats)
         if self.drafter is not None:
             self._propose_drafts(scheduler_output, updates)
-        outputs = []
-        for group in touched.values():
-            output = group.take_output()
-            if output is not None:
-                outputs.append(output)
-            self.tracker.pop_if_finished(group)
         self._emit_step(scheduler_output, updates, prompt_tokens, start, time.monotonic())
-        return outputs
+        return processed.outputs
 
     def _propose_drafts(self, output: SchedulerOutput, updates: list[RequestUpdate]) -> None:
         """Drafts for the requests whose next step is a decode (they gained tokens and run on)."""
