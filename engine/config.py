@@ -49,6 +49,9 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode): a SpeculativeConfig, or its dict / JSON text as
     # vLLM's speculative_config; None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Jump-forward decoding: text a request's grammar forces is appended in the tokenizer's own
+    # tokens, at once, instead of being sampled token by token.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         try:

@@ -42,6 +42,7 @@ class LLM:
         cpu_threads: int | None = None,
         tensor_parallel_size: int = 1,
         speculative_config: dict | str | None = None,
+        jump_forward: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -50,6 +51,7 @@ class LLM:
             max_model_len=max_model_len, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype,
             enforce_eager=enforce_eager, seed=seed, quantization=quantization, cpu_threads=cpu_threads,
             tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
+            jump_forward=jump_forward,
         )
         self.engine = LLMEngine.from_config(config)
         self._next_id = 0

@@ -205,8 +205,10 @@ class LLMEngine:
         runner_output = (self.executor.execute(scheduler_output) if token_mask is None
                          else self.executor.execute(scheduler_output, token_mask))
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        jump_forward = self._jump_forward if token_mask is not None and self.config.jump_forward else None
         processed = self.output_processor.process(updates, runner_output.prompt_logprobs, time.monotonic(),
-                                                  constrained=token_mask is not None)
+                                                  constrained=token_mask is not None, jump_forward=jump_forward)
+        updates = [*updates, *processed.forced]
         for child_id, stop_string in processed.stopped:  # ended by a stop string: still running here
             self.scheduler.finish_requests([child_id], FinishReason.STOP, stop_string)
         for stats in processed.finished:
@@ -215,6 +217,26 @@ class LLMEngine:
             self._propose_drafts(scheduler_output, updates)
         self._emit_step(scheduler_output, updates, prompt_tokens, start, time.monotonic())
         return processed.outputs
+
+    def _jump_forward(self, updates: Sequence[RequestUpdate]) -> list[RequestUpdate]:
+        """Jump-forward decoding: a constrained request whose grammar now admits one continuation
+        text gets that text's tokens appended at once (computed with its next step), instead of
+        one forward per token. Not for requests that asked for logprobs (forced tokens have no
+        distribution to report)."""
+        encode = self._encode_forced_text
+        forced = []
+        for update in updates:
+            request = update.request
+            if (not update.new_token_ids or request.status is not RequestStatus.RUNNING
+                    or request.sampling_params.logprobs is not None or request.request_id not in self.structured_output):
+                continue
+            token_ids = self.structured_output.forced_tokens(request.request_id, encode, self.tokenizer.token_to_bytes)
+            if token_ids:
+                forced.append(self.scheduler.append_forced_tokens(request.request_id, token_ids))
+        return forced
+
+    def _encode_forced_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _propose_drafts(self, output: SchedulerOutput, updates: list[RequestUpdate]) -> None:
         """Drafts for the requests whose next step is a decode (they gained tokens and run on)."""

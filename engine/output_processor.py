@@ -12,7 +12,7 @@ a stop string ended (the scheduler still runs them) and the finished requests' s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.engine.output_tracker import OutputTracker
@@ -30,6 +30,7 @@ class ProcessedStep:
     # (completion id, stop string): ended by a stop string; the scheduler must still finish them.
     stopped: list[tuple[str, str]] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    forced: list[RequestUpdate] = field(default_factory=list)  # jump-forward's tokens (see process)
 
 
 class OutputProcessor:
@@ -38,36 +39,48 @@ class OutputProcessor:
         self.structured_output = structured_output
 
     def process(self, updates: Sequence[RequestUpdate], prompt_logprobs: Mapping[str, PromptLogprobs], now: float,
-                *, constrained: bool) -> ProcessedStep:
+                *, constrained: bool,
+                jump_forward: Callable[[Sequence[RequestUpdate]], list[RequestUpdate]] | None = None) -> ProcessedStep:
         """`constrained`: some row of the step was masked by a grammar. Without one, no matcher
-        can need advancing (a constrained row that did not sample gained no token)."""
+        can need advancing (a constrained row that did not sample gained no token).
+        `jump_forward`: called once the sampled tokens are in (grammars advanced, stop strings
+        found); the tokens it appends without sampling (engine: text a grammar forces) go into
+        the same deltas."""
         step = ProcessedStep()
         tracker = self.tracker
         for child_id, piece in prompt_logprobs.items():
             tracker.on_prompt_logprobs(child_id, piece)
         touched = {}
         for update in updates:
-            request = update.request
-            child_id = request.request_id
-            group = tracker.group_of(child_id)
-            touched[group.request_id] = group
-            # The scheduler's stop check ends a request on its EOS / stop token id (reason STOP);
-            # stop strings end it here, after detokenizing.
-            ended_by_stop_token = update.finished and request.finish_reason is FinishReason.STOP
-            stop_string = tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now, ended_by_stop_token)
-            if constrained and child_id in self.structured_output:
-                self.structured_output.accept(child_id, update.new_token_ids)
-                if update.finished or stop_string is not None:
-                    self.structured_output.remove(child_id)
-            if stop_string is not None:
-                if not update.finished:
-                    step.stopped.append((child_id, stop_string))
-                step.finished.append(tracker.on_finished(child_id, FinishReason.STOP, stop_string, now))
-            elif update.finished and request.finish_reason is not None:  # the scheduler's stop check set it
-                step.finished.append(tracker.on_finished(child_id, request.finish_reason, request.stop_reason, now))
+            self._record(update, step, touched, now, constrained)
+        if jump_forward is not None:
+            step.forced = jump_forward(updates)
+            for update in step.forced:
+                self._record(update, step, touched, now, True)
         for group in touched.values():
             output = group.take_output()
             if output is not None:
                 step.outputs.append(output)
             tracker.pop_if_finished(group)
         return step
+
+    def _record(self, update: RequestUpdate, step: ProcessedStep, touched: dict, now: float, constrained: bool) -> None:
+        tracker = self.tracker
+        request = update.request
+        child_id = request.request_id
+        group = tracker.group_of(child_id)
+        touched[group.request_id] = group
+        # The scheduler's stop check ends a request on its EOS / stop token id (reason STOP);
+        # stop strings end it here, after detokenizing.
+        ended_by_stop_token = update.finished and request.finish_reason is FinishReason.STOP
+        stop_string = tracker.on_tokens(child_id, update.new_token_ids, update.logprobs, now, ended_by_stop_token)
+        if constrained and child_id in self.structured_output:
+            self.structured_output.accept(child_id, update.new_token_ids)
+            if update.finished or stop_string is not None:
+                self.structured_output.remove(child_id)
+        if stop_string is not None:
+            if not update.finished:
+                step.stopped.append((child_id, stop_string))
+            step.finished.append(tracker.on_finished(child_id, FinishReason.STOP, stop_string, now))
+        elif update.finished and request.finish_reason is not None:  # the scheduler's stop check set it
+            step.finished.append(tracker.on_finished(child_id, request.finish_reason, request.stop_reason, now))

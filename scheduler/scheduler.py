@@ -118,6 +118,19 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def append_forced_tokens(self, request_id: str, token_ids: list[int]) -> RequestUpdate:
+        """Appends tokens the engine chose without sampling (text a grammar forces: jump-forward
+        decoding) to a running request, up to the first that ends it. They are computed with
+        the request's next step, which then takes 1 + len(token_ids) tokens (or chunks of them)."""
+        request = self._requests[request_id]
+        if request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running: tokens can only follow a running request's")
+        new_token_ids, finished = self._append_tokens(request, token_ids, self.config.max_model_len)
+        if finished:
+            self._running.remove(request, self._order_keys[request_id])
+            self._retire(request)
+        return RequestUpdate(request, new_token_ids, [None] * len(new_token_ids), finished)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

@@ -103,6 +103,10 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                                 "(compiled artifacts are cached under $KVSERVE_CACHE, default ~/.cache/kvserve)"),
         model.add_argument("--seed", type=_non_negative_int, default=defaults.seed,
                            help="seed for requests that do not give one"),
+        model.add_argument("--enable-jump-forward", action=flag, default=defaults.jump_forward,
+                           help="append text a request's grammar forces (a tool-call wrapper, a JSON key) in the "
+                                "tokenizer's own tokens at once instead of sampling it token by token "
+                                "(jump-forward decoding; --no-enable-jump-forward: sample every token)"),
         model.add_argument("--speculative-config", default=None, metavar="JSON",
                            help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                                 '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
@@ -232,7 +236,8 @@ def configs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             long_prefill_token_threshold=args.long_prefill_token_threshold, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager, seed=args.seed, quantization=args.quantization, cpu_threads=args.cpu_threads,
-            tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
+            tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
+            jump_forward=args.enable_jump_forward)
         limits = ServerLimits(
             max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length, max_tokens=args.max_tokens_per_request,

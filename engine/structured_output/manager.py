@@ -12,7 +12,7 @@ only the tokens the request kept.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from typing import TYPE_CHECKING
 
@@ -66,6 +66,31 @@ class StructuredOutputManager:
             matcher.rollback(accepted)
         return drafts[:accepted]
 
+    def forced_tokens(self, request_id: str, encode: Callable[[str], list[int]],
+                      token_bytes: Callable[[int], bytes]) -> list[int]:
+        """Jump-forward decoding: the tokens of the text the grammar admits as the only way on,
+        split as the tokenizer splits text (`encode`), so the model sees the tokens it was
+        trained on rather than the odd fragments a mask lets it spell them with. [] when the
+        grammar leaves a choice. The matcher is left as it was (the engine accepts the tokens
+        with the rest of the request's output).
+
+        The text's last token may merge with what follows ("name" before the model's ":" can
+        be one token), so it is kept only where xgrammar's own split of the forced text reaches
+        its end (find_jump_forward_tokens stops before a token a longer one extends)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return []
+        text = matcher.find_jump_forward_string()
+        if not text:
+            return []
+        safe = matcher.find_jump_forward_tokens()
+        canonical = encode(text)
+        if b"".join(token_bytes(t) for t in safe) != text.encode("utf-8"):
+            canonical = canonical[:-1]
+        # A split the grammar refuses (a tokenizer that adds a prefix space, an unknown word):
+        # xgrammar's own.
+        return canonical if canonical and _accepts(matcher, canonical) else safe
+
     def token_mask(self, output: SchedulerOutput) -> TokenMask | None:
         """The mask for this step's sampling rows that are constrained, or None when none is."""
         if not self._matchers:
@@ -114,3 +139,15 @@ class StructuredOutputManager:
                 # terminated matcher has no next-token mask to fill.
                 self.remove(request_id)
                 return
+
+
+def _accepts(matcher: xgr.GrammarMatcher, token_ids: list[int]) -> bool:
+    """Whether the grammar takes `token_ids` from the matcher's state (which is left unchanged)."""
+    accepted = 0
+    for token in token_ids:
+        if not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted == len(token_ids)

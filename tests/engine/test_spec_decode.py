@@ -185,14 +185,14 @@ class _DraftCounts:
         pass
 
 
-def _tiny_llm(path, speculative_config=None) -> tuple[LLM, _DraftCounts]:
+def _tiny_llm(path, speculative_config=None, jump_forward=True) -> tuple[LLM, _DraftCounts]:
     from tests.engine.tiny_model_dir import write_tiny_model
 
     model = path / "m"
     if not model.exists():
         write_tiny_model(model)
     llm = LLM(str(model), dtype="float32", num_kv_blocks=96, enforce_eager=True, max_num_batched_tokens=64,
-              speculative_config=speculative_config)
+              speculative_config=speculative_config, jump_forward=jump_forward)
     counts = _DraftCounts()
     llm.engine.stats_listeners.append(counts)
     return llm, counts
@@ -224,13 +224,13 @@ def test_the_engine_with_drafts_gives_what_it_gives_without(tmp_path):
 def test_drafts_of_a_constrained_request_keep_to_its_grammar(tmp_path):
     # After the output's first w5 the prompt proposes what followed its w5 (w6 w9 w10); the grammar
     # allows only the w5 w6 pattern, so that draft is cut to w6, while drafts from the output's own
-    # repetition fit.
+    # repetition fit. (Jump-forward off: this grammar forces everything after the first w5.)
     regex = StructuredOutputParams(GrammarKind.REGEX, "(w5w6){4}w7")  # the words' tokens carry no spaces
     params = SamplingParams(temperature=0.0, max_tokens=20, structured_output=regex)
     free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prompts = ["w5 w6 w9 w10 w11", "w5 w6 w5 w6 w5"]
-    plain, _ = _tiny_llm(tmp_path)
-    spec, counts = _tiny_llm(tmp_path, SPEC)
+    plain, _ = _tiny_llm(tmp_path, jump_forward=False)
+    spec, counts = _tiny_llm(tmp_path, SPEC, jump_forward=False)
     manager, cuts = spec.engine.structured_output, []
     validate = manager.valid_drafts
 

@@ -86,6 +86,7 @@ class Harness:
     drafter: Callable[[Request], list[int]] | None = None
 
     _last_drafts: dict[str, int] = field(default_factory=dict)
+    _forced: dict[str, int] = field(default_factory=dict)  # tokens appended since the last step
 
     def __post_init__(self) -> None:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching, self.group_specs)
@@ -124,6 +125,15 @@ class Harness:
         self.steps.append(StepRecord(output, updates, self.runner.last_inputs))
         return updates
 
+    def force(self, request_id: str, token_ids: list[int]) -> RequestUpdate:
+        """Tokens appended without sampling (the engine's jump-forward decoding)."""
+        update = self.scheduler.append_forced_tokens(request_id, token_ids)
+        self.outputs[request_id].extend(update.new_token_ids)
+        self._forced[request_id] = self._forced.get(request_id, 0) + len(update.new_token_ids)
+        if update.finished:
+            self.finished[request_id] = update.request
+        return update
+
     def step(self) -> StepRecord:
         self.update(self.schedule())
         return self.steps[-1]
@@ -156,7 +166,8 @@ class Harness:
             assert scheduled.num_new_tokens >= 1
             # A step's diff stays small: the tokens since the last step, whole tables only when needed.
             if not scheduled.tables_replaced:  # a decode's token, or the tokens a verifying step kept
-                assert len(scheduled.new_token_ids) <= 1 + self._last_drafts.get(scheduled.request_id, 0)
+                assert len(scheduled.new_token_ids) <= (1 + self._last_drafts.get(scheduled.request_id, 0)
+                                                        + self._forced.get(scheduled.request_id, 0))
             if config.long_prefill_token_threshold:
                 assert scheduled.num_new_tokens <= config.long_prefill_token_threshold
         # A window group holds no more than its window and the step need.
@@ -170,6 +181,7 @@ class Harness:
         stats = self.kv.stats()
         assert stats.blocks_used + stats.blocks_cached + stats.blocks_free == stats.blocks_total
         self._last_drafts = {s.request_id: len(s.spec_token_ids) for s in output.scheduled}
+        self._forced = {}
 
     def assert_idle(self) -> None:
         assert not self.scheduler.has_unfinished_requests()

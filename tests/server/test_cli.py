@@ -128,3 +128,10 @@ def test_bad_values_exit_2_with_a_message(argv, env, needle, capsys, monkeypatch
 def test_kv_size_subcommand_is_registered(capsys) -> None:
     assert main(["kv-size", "--model", "smollm2-135m", "--tokens", "1024"]) == 0
     assert "1,024" in capsys.readouterr().out
+
+
+def test_the_flag_turns_jump_forward_off():
+    parser, _, _ = build_parser()
+    for argv, expected in ((["serve"], True), (["serve", "--no-enable-jump-forward"], False)):
+        args = parser.parse_args(argv)
+        assert configs_from_args(parser, args)[0].jump_forward is expected
