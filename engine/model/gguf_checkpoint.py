@@ -105,6 +105,8 @@ class GGUFCheckpoint:
             raise CorruptModelError(f"{self._path}: tensor {label!r} holds NaN or infinite values; the file is damaged")
         if place.rope_rows_per_head is not None:
             array = unpermute_rope_rows(array, array.shape[0] // place.rope_rows_per_head)
+        if place.shift:
+            array = array - np.float32(place.shift)
         if not array.flags.writeable:  # F32/F16 tensors are views of the read-only memory map
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)

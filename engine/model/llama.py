@@ -2,7 +2,8 @@
 its config parsing (config.json, GGUF metadata) and its checkpoint layout, registered as one
 ModelFamily (engine/model/registry.py).
 
-Each block reads like the math:  h = x + Attention(RMSNorm(x));  out = h + MLP(RMSNorm(h)).
+Each block reads like the math:  h = x + Attention(RMSNorm(x));  out = h + MLP(RMSNorm(h))
+(engine/model/decoder_lm.py's PreNormBlock; the model is its DecoderLM with one rope).
 Attention writes this step's K/V into the paged cache and reads the whole context back through
 the block tables; which kernel does it is the caller's choice (`attention`), so the forward is
 the same on CPU and GPU. Q/K/V and gate/up are fused into one matmul each: fewer, larger GEMMs,
@@ -13,103 +14,38 @@ the model is built with one rank's heads and MLP columns (engine/model/parallel_
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-from torch import nn
-
-from kvserve.engine.model.decoder_stack import run_decoder
+from kvserve.engine.model.config_fields import gguf_config_fields, hf_config_fields, refuse_yarn
+from kvserve.engine.model.decoder_lm import DecoderLM, PreNormBlock
 from kvserve.engine.model.gated_mlp import GatedMLP
 from kvserve.engine.model.gguf_metadata import GGUFFields
-from kvserve.engine.model.hf_config import eos_token_ids, rope_from_hf, shape_from_hf_dict
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import ModelConfigError
 from kvserve.engine.model.model_family import CheckpointLayout, GGUFTensor, ModelFamily, Split, WeightTarget
-from kvserve.engine.model.parallel_layers import column_parallel_linear, lm_head, row_parallel_linear, vocab_embedding
-from kvserve.engine.model.protocol import Rope
 from kvserve.engine.model.rms_norm import RMSNorm
-from kvserve.engine.model.rope import RotaryEmbedding, apply_rotary
+from kvserve.engine.model.rope import RotaryEmbedding
+from kvserve.engine.model.self_attention import SelfAttention
 from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
-from kvserve.kernels import AttentionMetadata, KVCache
-from kvserve.paging import FullAttentionSpec, SlidingWindowSpec
 
-if TYPE_CHECKING:
-    from kvserve.kernels import AttentionBackend
+# The Llama family's attention is the plain case of SelfAttention (no q/k norm, the usual scale).
+Attention = SelfAttention
 
-class Attention(nn.Module):
+
+class LlamaForCausalLM(DecoderLM):
     def __init__(self, config: ModelConfig, parallel: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = parallel.local(config.num_heads), parallel.local(config.num_kv_heads)
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scale = config.head_dim**-0.5
-        self.qkv_proj = column_parallel_linear(config.hidden_size, (config.q_size, config.kv_size, config.kv_size),
-                                               config.attention_bias, parallel)
-        self.o_proj = row_parallel_linear(config.q_size, config.hidden_size, parallel)
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
-                attention: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        attention.write_kv_cache(k, v, kv_cache, meta)
-        out = attention.paged_attention(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, parallel)
-
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
-                attention: AttentionBackend) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, attention)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, parallel)
-        self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, parallel) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, parallel,
-                               tied_to=self.embed_tokens if config.tie_word_embeddings else None)
+        # Mistral's sliding window is every layer's (SelfAttention declares it in its cache spec).
+        layers = [PreNormBlock(SelfAttention(config, parallel, sliding_window=config.sliding_window),
+                               GatedMLP(config.hidden_size, config.intermediate_size, parallel), norm(), norm())
+                  for _ in range(config.num_layers)]
+        super().__init__(config, layers, norm(), [RotaryEmbedding(config)], parallel)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: list[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
-        return run_decoder(self, input_ids, positions, kv_caches, attn_metadata, attention)
-
-    def kv_cache_specs(self, dtype: str, dtype_bytes: int) -> list[FullAttentionSpec]:
-        """What each layer keeps in the KV cache (the runner groups and sizes the cache from it):
-        with Mistral's sliding window, a window spec, whose blocks leave the cache as the window
-        moves on (the kernels read only the window: the step metadata carries it)."""
-        # From the layers themselves: a tensor-parallel rank's layers hold its share of the heads.
-        window = self.config.sliding_window
-        return [FullAttentionSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, dtype, dtype_bytes)
-                if window is None else
-                SlidingWindowSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, dtype, dtype_bytes,
-                                  sliding_window=window)
-                for layer in self.layers]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (the rows to sample from) -> logits [N, vocab] in the model's dtype.
-        No float32 copy here: a greedy batch needs only an argmax, which upcasting cannot change,
-        and the sampler upcasts the batches that need more (64 bf16 rows: 6 MB read, 12 MB
-        written per step otherwise)."""
-        return self.lm_head(hidden)
+    def rotary_emb(self) -> RotaryEmbedding:
+        return self.rotary_embs[0]
 
 
 # ---------------------------------------------------------------------------- config parsing
@@ -118,107 +54,80 @@ class LlamaForCausalLM(nn.Module):
 def config_from_hf(architecture: str, hf: Mapping[str, Any], generation: Mapping[str, Any] | None) -> ModelConfig:
     if architecture == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise ModelConfigError("Llama checkpoints with attention_bias/mlp_bias (o_proj/MLP biases) are not supported")
-    shape = shape_from_hf_dict("config.json", hf)
-    max_pos = int(hf.get("max_position_embeddings", 4096))
+    values = hf_config_fields(architecture, hf, generation)
     sliding_window = hf.get("sliding_window")
-    window = None
     if architecture == "mistral" and sliding_window:
         # Served with the window: every layer attends to the last `sliding_window` positions
         # (Mistral 7B v0.1), and its cache holds only those.
-        window = int(sliding_window)
+        values["sliding_window"] = int(sliding_window)
     elif architecture == "qwen2" and sliding_window and hf.get("use_sliding_window", False):
         # Qwen2 windows only the layers from max_window_layers on; not served: full attention is
         # identical within the window, so we serve only that much context rather than silently
         # computing something else.
-        max_pos = min(max_pos, int(sliding_window))
-    theta, scaling = rope_from_hf(hf)
-    if scaling is not None and scaling["rope_type"] == "yarn":
-        # rope.py computes YaRN as transformers does, but it is verified only for DeepSeek here.
-        raise ModelConfigError("rope scaling 'yarn' is not supported for Llama-family models")
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=architecture == "qwen2",
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_token_ids(hf, generation),
-        sliding_window=window,
-    )
+        values["max_position_embeddings"] = min(values["max_position_embeddings"], int(sliding_window))
+    refuse_yarn(values, "Llama-family")
+    return ModelConfig(**{**values, "attention_bias": architecture == "qwen2"})
 
 
 ROPE_FREQS = "rope_freqs.weight"
 
 
 def config_from_gguf(architecture: str, fields: GGUFFields) -> ModelConfig:
-    shape = fields.shape()
-    tokens = fields.general("tokenizer.ggml.tokens")
-    vocab_size = int(fields.get("vocab_size", len(tokens) if tokens else None))
-    eos, eot = fields.general("tokenizer.ggml.eos_token_id"), fields.general("tokenizer.ggml.eot_token_id")
+    values = gguf_config_fields(architecture, fields)
     scaling_type = fields.optional("rope.scaling.type")
-    rope_scaling = None
     if scaling_type in ("linear", "dynamic"):
-        rope_scaling = {"rope_type": scaling_type, "factor": float(fields.get("rope.scaling.factor"))}
+        values["rope_scaling"] = {"rope_type": scaling_type, "factor": float(fields.get("rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise ModelConfigError(f"{fields.path}: GGUF rope scaling {scaling_type!r} is not supported")
     # Llama 3.1 GGUFs carry their llama3 rope scaling as a `rope_freqs.weight` tensor instead of metadata.
     freq_factors = fields.small_tensor(ROPE_FREQS)
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=vocab_size,
-        hidden_size=int(fields.get("embedding_length")),
-        intermediate_size=int(fields.get("feed_forward_length")),
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        rope_theta=float(fields.get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(fields.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(fields.get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in fields.tensor_names,
-        attention_bias="blk.0.attn_q.bias" in fields.tensor_names,
-        bos_token_id=fields.general("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(t for t in (eos, eot) if t is not None)),
-        rope_freq_factors=None if freq_factors is None else tuple(float(f) for f in freq_factors),
-    )
+    if freq_factors is not None:
+        values["rope_freq_factors"] = tuple(float(f) for f in freq_factors)
+    return ModelConfig(**values)
 
 
 # ---------------------------------------------------------------------------- checkpoint layout
 
 
-def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
-    """Our fused modules (qkv_proj, gate_up_proj) from transformers' separate projections."""
+def embedding_targets(config: ModelConfig) -> list[WeightTarget]:
+    """The embedding, the final norm and (untied) lm_head: named alike in every family here."""
     targets = [WeightTarget("embed_tokens.weight", ("model.embed_tokens.weight",), Split.VOCAB),
                WeightTarget("norm.weight", ("model.norm.weight",))]
     if not config.tie_word_embeddings:
         targets.append(WeightTarget("lm_head.weight", ("lm_head.weight",), Split.VOCAB))
+    return targets
+
+
+def tied_copies(config: ModelConfig) -> frozenset[str]:
+    """Some tied checkpoints store a copy of the embedding as lm_head anyway."""
+    return frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
+
+
+def block_targets(src: str, dst: str, norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
+                  ) -> list[WeightTarget]:
+    """A block's norms and its row-parallel projections (o_proj, down_proj), named alike in
+    every family here; the fused column-parallel ones are each family's."""
+    return [*(WeightTarget(f"{dst}{n}.weight", (f"{src}{n}.weight",)) for n in norms),
+            WeightTarget(dst + "self_attn.o_proj.weight", (src + "self_attn.o_proj.weight",), Split.ROW),
+            WeightTarget(dst + "mlp.down_proj.weight", (src + "mlp.down_proj.weight",), Split.ROW)]
+
+
+def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
+    """Our fused modules (qkv_proj, gate_up_proj) from transformers' separate projections."""
+    targets = embedding_targets(config)
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         targets += [
-            WeightTarget(dst + "input_layernorm.weight", (src + "input_layernorm.weight",)),
-            WeightTarget(dst + "post_attention_layernorm.weight", (src + "post_attention_layernorm.weight",)),
             WeightTarget(dst + "self_attn.qkv_proj.weight",
                          tuple(f"{src}self_attn.{p}_proj.weight" for p in "qkv"), Split.COLUMN),
-            WeightTarget(dst + "self_attn.o_proj.weight", (src + "self_attn.o_proj.weight",), Split.ROW),
             WeightTarget(dst + "mlp.gate_up_proj.weight",
                          (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"), Split.COLUMN),
-            WeightTarget(dst + "mlp.down_proj.weight", (src + "mlp.down_proj.weight",), Split.ROW),
+            *block_targets(src, dst),
         ]
         if config.attention_bias:
             targets.append(WeightTarget(dst + "self_attn.qkv_proj.bias",
                                         tuple(f"{src}self_attn.{p}_proj.bias" for p in "qkv"), Split.COLUMN))
-    # Some tied checkpoints store a copy of the embedding as lm_head anyway.
-    return CheckpointLayout(tuple(targets), frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset())
+    return CheckpointLayout(tuple(targets), tied_copies(config))
 
 
 GGUF_GLOBAL_NAMES = {
@@ -246,15 +155,27 @@ GGUF_LAYER_NAMES = {
 ROPE_PERMUTED = ("attn_q.weight", "attn_k.weight")
 
 
+def gguf_block_tensor(name: str) -> tuple[str, str] | None:
+    """("3", "attn_q.weight") for "blk.3.attn_q.weight"; None for a tensor outside the blocks."""
+    block, _, rest = name.partition(".")[2].partition(".")
+    return (block, rest) if name.startswith("blk.") and block.isdigit() else None
+
+
+def gguf_place(name: str, layer_names: Mapping[str, str], model: str) -> tuple[str, str]:
+    """A block tensor's (block, GGUF name within it), or a clear error naming the family."""
+    found = gguf_block_tensor(name)
+    if found is None or found[1] not in layer_names:
+        raise ModelConfigError(f"GGUF tensor {name!r} has no place in a {model} model "
+                               "(mixture-of-experts and multimodal GGUFs are not supported)")
+    return found
+
+
 def gguf_tensor(config: ModelConfig, name: str) -> GGUFTensor | None:
     if name == ROPE_FREQS:
         return None  # read into the config (rope_freq_factors)
     if name in GGUF_GLOBAL_NAMES:
         return GGUFTensor(GGUF_GLOBAL_NAMES[name])
-    block, _, rest = name.partition(".")[2].partition(".")
-    if not name.startswith("blk.") or not block.isdigit() or rest not in GGUF_LAYER_NAMES:
-        raise ModelConfigError(f"GGUF tensor {name!r} has no place in a dense Llama-family model "
-                               "(mixture-of-experts and multimodal GGUFs are not supported)")
+    block, rest = gguf_place(name, GGUF_LAYER_NAMES, "dense Llama-family")
     permuted = config.architecture in ("llama", "mistral") and rest in ROPE_PERMUTED
     return GGUFTensor(f"model.layers.{block}.{GGUF_LAYER_NAMES[rest]}", config.head_dim if permuted else None)
 

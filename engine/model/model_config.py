@@ -25,6 +25,7 @@ ROPE_SCALING_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "dynamic": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "yarn": ("factor", "original_max_position_embeddings"),
+        "longrope": ("long_factor", "short_factor", "original_max_position_embeddings"),
     }
 )
 
@@ -40,7 +41,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float
-    rope_scaling: Mapping[str, Any] | None  # {"rope_type": "linear"|"dynamic"|"llama3"|"yarn", ...}
+    rope_scaling: Mapping[str, Any] | None  # {"rope_type": "linear"|"dynamic"|"llama3"|"yarn"|"longrope", ...}
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool

@@ -38,6 +38,9 @@ class WeightTarget:
     name: str  # our parameter, e.g. "layers.0.self_attn.qkv_proj.weight"
     sources: tuple[str, ...]  # checkpoint tensors (HF names), concatenated along dim 0 in this order
     split: Split = Split.REPLICATED
+    # A single source that is itself fused (Phi-3's qkv_proj: q, k, v rows; gate_up_proj): the
+    # rows of each section, which a column split cuts separately, as it does separate sources.
+    sections: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ class CheckpointLayout:
 @dataclass(frozen=True)
 class GGUFTensor:
     """Where a GGUF tensor goes: its HF name, and, when llama.cpp's converter permuted its rows
-    for interleaved rope (Llama's Q and K), the rows of one head (the permutation is per head)."""
+    for interleaved rope (Llama's Q and K), the rows of one head (the permutation is per head);
+    `shift`: what the converter added to every value (Gemma's norms: +1), subtracted on load."""
 
     hf_name: str
     rope_rows_per_head: int | None = None
@@ -62,6 +66,7 @@ class GGUFTensor:
     # Newer llama.cpp converters split DeepSeek's kv_b_proj per head into attn_k_b ([heads,
     # latent, nope], transposed) and attn_v_b ([heads, v, latent]): "k" or "v", rejoined on load.
     kv_b_part: str | None = None
+    shift: float = 0.0
 
 
 @dataclass(frozen=True)

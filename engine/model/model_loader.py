@@ -130,8 +130,22 @@ def _read_slice(checkpoint: Checkpoint, target: WeightTarget, parallel: TensorPa
             parts.append(torch.cat([rows, rows.new_zeros(stop - start - rows.shape[0], *rows.shape[1:])])
                          if rows.shape[0] < stop - start else rows)
             continue
-        if size % parallel.world_size:
-            raise CorruptModelError(f"{checkpoint.where}: {source!r} ({size} along dim {dim}) does not split over "
-                                    f"{parallel.world_size} tensor-parallel ranks")
-        parts.append(checkpoint.read(source, dim, *parallel.range_of(size), dtype, device))
+        for offset, section in _sections(target, size):
+            if section % parallel.world_size:
+                raise CorruptModelError(f"{checkpoint.where}: {source!r} ({section} along dim {dim}) does not split "
+                                        f"over {parallel.world_size} tensor-parallel ranks")
+            start, stop = parallel.range_of(section)
+            parts.append(checkpoint.read(source, dim, offset + start, offset + stop, dtype, device))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _sections(target: WeightTarget, size: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each section of a source a column split cuts separately: the whole
+    source, or the parts of a fused one (WeightTarget.sections)."""
+    if not target.sections:
+        return [(0, size)]
+    if target.split is not Split.COLUMN or len(target.sources) != 1 or sum(target.sections) != size:
+        raise CorruptModelError(f"{target.sources[0]!r}: {size} rows do not make the sections {target.sections} "
+                                f"of {target.name!r}")
+    offsets = [sum(target.sections[:i]) for i in range(len(target.sections))]
+    return list(zip(offsets, target.sections))

@@ -14,14 +14,17 @@ from typing import Any
 import gguf
 
 from kvserve.engine.model.deepseek import DEEPSEEK
+from kvserve.engine.model.gemma3 import GEMMA3
 from kvserve.engine.model.gguf_metadata import GGUFFields, read_gguf
 from kvserve.engine.model.hf_config import read_hf_config
 from kvserve.engine.model.llama import LLAMA
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import CorruptModelError, UnsupportedArchitectureError
 from kvserve.engine.model.model_family import ModelFamily
+from kvserve.engine.model.phi3 import PHI3
+from kvserve.engine.model.qwen3 import QWEN3
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, DEEPSEEK)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, DEEPSEEK, QWEN3, PHI3, GEMMA3)
 
 _BY_ARCHITECTURE: Mapping[str, ModelFamily] = {arch: f for f in FAMILIES for arch in f.architectures}
 _BY_HF_CLASS: Mapping[str, str] = {hf: arch for f in FAMILIES for arch, hf in f.architectures.items()}

@@ -3,7 +3,8 @@ llama.cpp's interleaved permutation of Q/K so both formats use this one).
 
 Scaling follows transformers' definitions: linear (positions / factor), llama3 (per-frequency
 wavelength-dependent factors), YaRN (interpolated and extrapolated frequencies blended over a
-ramp, cos and sin scaled by its attention factor) and dynamic NTK. Dynamic NTK is computed *per token* from its own
+ramp, cos and sin scaled by its attention factor), longrope (Phi-3's per-frequency short/long
+factors and attention factor) and dynamic NTK. Dynamic NTK is computed *per token* from its own
 position: a token's key is cached once, so its rotation must not depend on what else is in the
 batch. This equals transformers' token-by-token decode exactly.
 """
@@ -62,6 +63,21 @@ def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict)
     return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated, float(attention_factor)
 
 
+def longrope_parameters(scaling: dict, max_position_embeddings: int) -> tuple[tuple[float, ...], float]:
+    """Phi-3's LongRoPE: (the per-frequency factors, the cos/sin attention factor). The long
+    factors serve a model whose context reaches past its original pretraining length, as
+    llama.cpp decides once from the context (transformers picks per forward from the longest
+    position in its batch, which a paged cache cannot follow: a token's key is rotated once)."""
+    original = int(scaling["original_max_position_embeddings"])
+    long = max_position_embeddings > original
+    factors = tuple(float(f) for f in scaling["long_factor" if long else "short_factor"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = float(scaling.get("factor") or max_position_embeddings / original)
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return factors, float(attention_factor)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -70,23 +86,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin computed in float32 from integer positions, for q [T, H, D] and k [T, Hkv, D]."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary_dim: int | None = None) -> None:
+        """`rotary_dim`: the leading dims of each head that rotate (all of them by default)."""
         super().__init__()
-        self.head_dim = config.head_dim
+        self.head_dim = rotary_dim or config.head_dim
         self.theta = config.rope_theta
         self.max_position_embeddings = config.max_position_embeddings
         scaling = dict(config.rope_scaling or {})
         self.rope_type = scaling.pop("rope_type", "default")
         self.factor = float(scaling.get("factor", 1.0))
-        inv_freq = base_inv_freq(config.head_dim, config.rope_theta)
+        self.attention_factor = 1.0  # multiplies cos and sin (LongRoPE, YaRN)
+        inv_freq = base_inv_freq(self.head_dim, config.rope_theta)
         if self.rope_type == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, self.factor, float(scaling["low_freq_factor"]),
                                        float(scaling["high_freq_factor"]),
                                        int(scaling["original_max_position_embeddings"]))
         elif self.rope_type == "linear":
             inv_freq = inv_freq / self.factor  # same as positions / factor, rounded as transformers does
-        self.attention_factor = 1.0  # YaRN's: multiplies cos and sin
-        if self.rope_type == "yarn":
+        elif self.rope_type == "longrope":
+            factors, self.attention_factor = longrope_parameters(scaling, config.max_position_embeddings)
+            if len(factors) != inv_freq.shape[0]:
+                raise ValueError(f"longrope needs {inv_freq.shape[0]} factors (rotary dims / 2), got {len(factors)}")
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
+        elif self.rope_type == "yarn":
             inv_freq, self.attention_factor = yarn_inv_freq(inv_freq, config.head_dim, config.rope_theta, scaling)
         if config.rope_freq_factors is not None:
             # Per-frequency divisors from a GGUF's `rope_freqs.weight` (llama.cpp's encoding of
@@ -122,6 +144,13 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, Hkv, D]; cos, sin [T, D], broadcast over heads."""
+    """q [T, H, D], k [T, Hkv, D]; cos, sin [T, R], broadcast over heads. R < D (partial rotary,
+    Phi-3's partial_rotary_factor): the first R dims of each head rotate, the rest pass through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1),
+            torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1))

@@ -46,6 +46,9 @@ class PagedDriver:
         shape = (num_blocks, config.num_kv_heads, BLOCK_SIZE, config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(config.num_layers)]
+        # Window layers (Gemma 3's local ones) attend within their window, as their spec says.
+        self.layer_windows = [getattr(spec, "sliding_window", 0) for spec in model.kv_cache_specs("float32", 4)]
+        self.windows = sorted(set(self.layer_windows))
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
 
@@ -58,9 +61,12 @@ class PagedDriver:
             while len(seq.block_ids) * BLOCK_SIZE < end:
                 seq.block_ids.append(self.free_blocks.pop())
             ids += seq.token_ids[seq.num_computed:end]
-        flat = build_flat_batch(num_new, [s.num_computed for s in seqs], [[s.block_ids for s in seqs]], BLOCK_SIZE)
+        # One metadata per distinct window (0: full attention); every layer keeps all its blocks.
+        flat = build_flat_batch(num_new, [s.num_computed for s in seqs], [[s.block_ids for s in seqs]] * len(self.windows),
+                                BLOCK_SIZE, group_windows=self.windows)
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), flat.positions, self.kv_caches, flat.layer_metadata([0] * len(self.kv_caches)), self.attention)
+            metadata = flat.layer_metadata([self.windows.index(w) for w in self.layer_windows])
+            hidden = self.model(torch.tensor(ids), flat.positions, self.kv_caches, metadata, self.attention)
             logits = self.model.compute_logits(hidden)
         for seq, n in zip(seqs, num_new):
             seq.num_computed += n
