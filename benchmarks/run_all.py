@@ -110,7 +110,7 @@ FULL = Plan(num_requests=64, prompt_len=(16, 256), output_len=(16, 256), sweep_n
             quantization_timeout_s=1800, online_streams=(64, 16, 1), online_requests=(64, 32, 6),
             peer_repeats=2, single_requests=4, single_prompt_len=32, single_output_len=128)
 QUICK = Plan(num_requests=6, prompt_len=(16, 64), output_len=(4, 12), sweep_num_prompts=4,
-             offline_timeout_s=600, online_timeout_s=180, sweep_timeout_s=300,
+             offline_timeout_s=1200, online_timeout_s=180, sweep_timeout_s=300,
              profile_args=("--rows", "1,4", "--prompt-len", "32", "--mixed-prompt-len", "64", "--steps", "2"),
              profile_timeout_s=300, quantization_args=("--max-tokens", "4", "--repeats", "2"),
              quantization_timeout_s=900, online_streams=(4, 1), online_requests=(6, 2),
@@ -138,7 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transformers-batch-sizes", default="32", help="e.g. 8,16,32: the report shows each and the best")
     p.add_argument("--sweep-rates", default="1,2,4,8,inf")
     p.add_argument("--stages", default=",".join(STAGES), help="subset to run, e.g. offline-peers,online")
-    p.add_argument("--server-startup-timeout", type=float, default=300.0)
+    # 600: a vLLM start that compiles its forward took ~6 min on a busy 2-core machine.
+    p.add_argument("--server-startup-timeout", type=float, default=600.0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads for every system (OMP_NUM_THREADS, llama-server -t); default: all cores. "
                         "On a busy machine use fewer: torch with more threads than free cores slows down many-fold")
