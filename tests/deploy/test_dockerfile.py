@@ -84,6 +84,15 @@ def test_every_package_folder_of_pyproject_is_copied_into_the_build() -> None:
     assert readme is None or any(readme in i.arguments.split() for i in stage("build").all("COPY"))
 
 
+def test_every_python_package_folder_is_listed_in_pyproject() -> None:
+    # An unlisted subpackage is left out of the wheel: the image (a wheel install) then fails at
+    # `import kvserve.engine` while editable installs, and so every other test, still pass.
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join([package, *init.parent.relative_to(REPO / folder).parts])
+             for package, folder in setuptools["package-dir"].items() for init in (REPO / folder).rglob("__init__.py")}
+    assert found <= set(setuptools["packages"]), f"add {sorted(found - set(setuptools['packages']))} to packages"
+
+
 def test_dockerignore_keeps_the_sources_the_build_copies() -> None:
     ignored = {line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()}
     copied = {i.arguments.split()[0] for i in stage("build").all("COPY")}
