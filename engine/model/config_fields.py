@@ -32,6 +32,13 @@ def hf_config_fields(architecture: str, hf: Mapping[str, Any], generation: Mappi
         head_dim=shape.head_dim,
         rope_theta=theta,
         rope_scaling=scaling,
+        **common_hf_fields(hf, generation),
+    )
+
+
+def common_hf_fields(hf: Mapping[str, Any], generation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The fields every family's config.json spells alike (DeepSeek's parser reads them too)."""
+    return dict(
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvserve.engine.model.decoder_stack import check_step_inputs
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.parallel_layers import lm_head, vocab_embedding
 from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
@@ -61,12 +62,7 @@ class DecoderLM(nn.Module):
                 attn_metadata: list[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] tokens of many requests, flattened; one KV cache and one
         attention metadata per layer (layers of one group share theirs). Returns hidden [T, hidden]."""
-        if len(kv_caches) != len(self.layers) or len(attn_metadata) != len(self.layers):
-            raise ValueError(f"need one (key, value) cache and one attention metadata per layer: {len(self.layers)}, "
-                             f"got {len(kv_caches)} and {len(attn_metadata)}")
-        if input_ids.shape != positions.shape or input_ids.shape[0] != attn_metadata[0].num_tokens:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
-                             f"slot_mapping ({attn_metadata[0].num_tokens}) must all have one entry per token")
+        check_step_inputs(len(self.layers), input_ids, positions, kv_caches, attn_metadata)
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # In the model dtype, as transformers rounds it (sqrt(2304) in bf16 is 48.0, not 48.0000...).

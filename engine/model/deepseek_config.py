@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.model.gguf_metadata import GGUFFields
-from kvserve.engine.model.hf_config import eos_token_ids, rope_from_hf
+from kvserve.engine.model.config_fields import common_hf_fields
+from kvserve.engine.model.hf_config import rope_from_hf
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import ModelConfigError
 from kvserve.paging.kv_sizing import ModelShape
@@ -109,12 +110,7 @@ def config_from_hf(architecture: str, hf: Mapping[str, Any], generation: Mapping
         head_dim=int(hf.get("qk_rope_head_dim", 64)),
         rope_theta=theta,
         rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", False)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_token_ids(hf, generation),
+        **common_hf_fields(hf, generation),
         q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]),
         kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
         qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
