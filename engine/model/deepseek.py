@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvserve.engine.model import llama
 from kvserve.engine.model.deepseek_config import DeepseekConfig, config_from_gguf, config_from_hf
 from kvserve.engine.model.decoder_stack import run_decoder
 from kvserve.engine.model.gated_mlp import GatedMLP
@@ -125,11 +126,7 @@ def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
 
 
 # llama.cpp's `deepseek2` tensor names (convert_hf_to_gguf.py's DeepseekV2Model) -> transformers'.
-GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+GGUF_GLOBAL_NAMES = llama.GGUF_GLOBAL_NAMES  # embedding, final norm and lm_head: named as for every family
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",

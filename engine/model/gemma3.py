@@ -36,7 +36,7 @@ from kvserve.engine.model.gguf_metadata import GGUFFields
 from kvserve.engine.model.hf_config import rope_from_hf
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import ModelConfigError
-from kvserve.engine.model.model_family import CheckpointLayout, GGUFTensor, ModelFamily, Split, WeightTarget
+from kvserve.engine.model.model_family import CheckpointLayout, GGUFTensor, ModelFamily
 from kvserve.engine.model.protocol import Rope
 from kvserve.engine.model.rms_norm import OffsetRMSNorm
 from kvserve.engine.model.rope import RotaryEmbedding
@@ -172,17 +172,7 @@ BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
 
 def checkpoint_layout(config: Gemma3Config) -> CheckpointLayout:
     """Llama's projections (fused on load) with Gemma's six norms per block."""
-    targets = llama.embedding_targets(config)
-    for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        targets += [
-            WeightTarget(dst + "self_attn.qkv_proj.weight",
-                         tuple(f"{src}self_attn.{p}_proj.weight" for p in "qkv"), Split.COLUMN),
-            WeightTarget(dst + "mlp.gate_up_proj.weight",
-                         (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"), Split.COLUMN),
-            *llama.block_targets(src, dst, BLOCK_NORMS),
-        ]
-    return CheckpointLayout(tuple(targets), llama.tied_copies(config))
+    return llama.checkpoint_layout(config, BLOCK_NORMS)
 
 
 GGUF_LAYER_NAMES = {

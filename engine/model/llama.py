@@ -103,8 +103,10 @@ def tied_copies(config: ModelConfig) -> frozenset[str]:
     return frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
 
 
-def block_targets(src: str, dst: str, norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
-                  ) -> list[WeightTarget]:
+BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def block_targets(src: str, dst: str, norms: tuple[str, ...] = BLOCK_NORMS) -> list[WeightTarget]:
     """A block's norms and its row-parallel projections (o_proj, down_proj), named alike in
     every family here; the fused column-parallel ones are each family's."""
     return [*(WeightTarget(f"{dst}{n}.weight", (f"{src}{n}.weight",)) for n in norms),
@@ -112,8 +114,9 @@ def block_targets(src: str, dst: str, norms: tuple[str, ...] = ("input_layernorm
             WeightTarget(dst + "mlp.down_proj.weight", (src + "mlp.down_proj.weight",), Split.ROW)]
 
 
-def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
-    """Our fused modules (qkv_proj, gate_up_proj) from transformers' separate projections."""
+def checkpoint_layout(config: ModelConfig, norms: tuple[str, ...] = BLOCK_NORMS) -> CheckpointLayout:
+    """Our fused modules (qkv_proj, gate_up_proj) from transformers' separate projections;
+    `norms`: the block's norms (Gemma has four)."""
     targets = embedding_targets(config)
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -122,7 +125,7 @@ def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
                          tuple(f"{src}self_attn.{p}_proj.weight" for p in "qkv"), Split.COLUMN),
             WeightTarget(dst + "mlp.gate_up_proj.weight",
                          (src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"), Split.COLUMN),
-            *block_targets(src, dst),
+            *block_targets(src, dst, norms),
         ]
         if config.attention_bias:
             targets.append(WeightTarget(dst + "self_attn.qkv_proj.bias",
