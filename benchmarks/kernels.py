@@ -221,7 +221,7 @@ def run_cpu_calls(baseline: str | None) -> None:
         def python_op() -> None:
             key, value, slots, args, hints = steps[next(turn) % len(steps)]
             custom_ops.torch_write_kv_cache(key, value, args[1], args[2], slots, None, None, False)
-            custom_ops.torch_paged_attention(*args, hints["max_query_len"], hints["max_seq_len"], decodes, None, None, False)
+            custom_ops.torch_paged_attention(*args, hints["max_query_len"], hints["max_seq_len"], decodes, None, None, 0, 0.0, False)
 
         def ops(namespace=torch.ops.kvserve_cpu) -> None:
             key, value, slots, (query, key_cache, value_cache, tables, seq_lens, starts, scale), _ = steps[next(turn) % len(steps)]

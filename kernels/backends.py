@@ -47,8 +47,10 @@ class AttentionBackend(Protocol):
         ...
 
     def paged_attention(self, query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
-        """query [tokens, heads, key head_dim] -> the attention output [tokens, heads, value head_dim]."""
+                        scale: float, soft_cap: float = 0.0) -> torch.Tensor:
+        """query [tokens, heads, key head_dim] -> the attention output [tokens, heads, value head_dim].
+        `soft_cap` c > 0: each scaled score s becomes c * tanh(s / c) before the softmax (a
+        layer's property, as Gemma 2's attn_logit_softcapping; 0: none)."""
         ...
 
 
@@ -88,17 +90,17 @@ class TorchAttentionBackend:
         custom_ops.torch_write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale,
                                         self.v_scale, self.validate)
 
-    def paged_attention(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+    def paged_attention(self, query, kv_cache, metadata, scale, soft_cap=0.0) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         m = metadata
         if self.native and query.device.type == "cpu" and cpu_kernel_supports(key_cache.shape[-1], value_cache.shape[-1]):
             # k_scale multiplies every score, v_scale every output: folded in, the cache is never touched.
             return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, m.block_tables, m.seq_lens,
                                                          m.query_start_loc, scale * check_scale("k_scale", self.k_scale),
-                                                         check_scale("v_scale", self.v_scale), m.sliding_window)
+                                                         check_scale("v_scale", self.v_scale), m.sliding_window, soft_cap)
         return custom_ops.torch_paged_attention(
             query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
-            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, self.validate,
+            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, soft_cap, self.validate,
         )
 
 
@@ -128,7 +130,7 @@ class TritonAttentionBackend:
         custom_ops.triton_write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale,
                                          self.v_scale, self.debug)
 
-    def paged_attention(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+    def paged_attention(self, query, kv_cache, metadata, scale, soft_cap=0.0) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         m = metadata
         if m.prepared is not None and not torch.compiler.is_compiling():
@@ -139,12 +141,12 @@ class TritonAttentionBackend:
             return triton_paged_attention(
                 query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
                 max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, num_decodes=m.num_decodes,
-                k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=m.sliding_window,
+                k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=m.sliding_window, soft_cap=soft_cap,
                 check_block_tables=self.debug, launches=m.prepared,
             )
         return custom_ops.triton_paged_attention(
             query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
-            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, self.debug,
+            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, soft_cap, self.debug,
         )
 
 

@@ -63,13 +63,15 @@ def cpu_paged_attention(
     score_scale: float,
     out_scale: float,
     sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """The contract of torch_attention.paged_attention with the scales already folded:
     `score_scale` = scale * k_scale multiplies every score, `out_scale` = v_scale every output;
-    `sliding_window` w > 0: position p sees keys p - w + 1 .. p only.
+    `sliding_window` w > 0: position p sees keys p - w + 1 .. p only; `soft_cap` c > 0: each
+    scaled score s becomes c * tanh(s / c).
     Only call after `cpu_kernel_available()` returned True."""
     return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale,
-                                                 sliding_window)
+                                                 sliding_window, soft_cap)
 
 
 def cpu_write_kv_cache(

@@ -21,7 +21,7 @@ _LIBRARY = torch.library.Library("kvserve", "FRAGMENT")
 _WRITE_ARGS = "Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, float? k_scale, float? v_scale"
 _ATTENTION_ARGS = ("Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
                    "Tensor query_start_loc, float scale, SymInt? max_query_len, SymInt? max_seq_len, "
-                   "SymInt? num_decodes, float? k_scale, float? v_scale, SymInt sliding_window")
+                   "SymInt? num_decodes, float? k_scale, float? v_scale, SymInt sliding_window, float soft_cap")
 
 
 def _torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, validate) -> None:
@@ -37,24 +37,24 @@ def _triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_s
 
 
 def _torch_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_query_len, max_seq_len, num_decodes, k_scale, v_scale, sliding_window,
+                           max_query_len, max_seq_len, num_decodes, k_scale, v_scale, sliding_window, soft_cap,
                            validate) -> torch.Tensor:
     return torch_attention.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes, k_scale=k_scale,
-        v_scale=v_scale, sliding_window=sliding_window, validate=validate,
+        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, validate=validate,
     )
 
 
 def _triton_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_query_len, max_seq_len, num_decodes, k_scale, v_scale, sliding_window,
+                           max_query_len, max_seq_len, num_decodes, k_scale, v_scale, sliding_window, soft_cap,
                            check_block_tables) -> torch.Tensor:
     from kvserve.kernels.triton_attention import triton_paged_attention as attend
 
     return attend(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes, k_scale=k_scale,
-        v_scale=v_scale, sliding_window=sliding_window, check_block_tables=check_block_tables,
+        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, check_block_tables=check_block_tables,
     )
 
 

@@ -117,6 +117,7 @@ def paged_attention(
     v_scale: float | None = None,
     num_decodes: int | None = None,
     sliding_window: int = 0,
+    soft_cap: float = 0.0,
     validate: bool = True,
 ) -> torch.Tensor:
     """Each request's queries are the last q_len positions of its seq_len-token context and
@@ -126,6 +127,9 @@ def paged_attention(
     `sliding_window` w > 0: the query at position p sees keys p - w + 1 .. p only, and blocks
     wholly before the window are never read (a window group gives them back: their table
     entries may hold any id, paging/single_type_manager.py). 0: full attention.
+
+    `soft_cap` c > 0: every scaled score s becomes c * tanh(s / c) before the softmax (Gemma 2's
+    attention-logit soft-capping); 0: none.
 
     `num_decodes`: requests [0, num_decodes) are single-query decodes in query rows
     [0, num_decodes), the rest prompt chunks. `validate=False` skips the metadata *value* checks
@@ -147,14 +151,14 @@ def paged_attention(
     if on_kernel:
         try:
             return cpu_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale,
-                                       out_scale, sliding_window)
+                                       out_scale, sliding_window, soft_cap)
         except ValueError:
             # The kernel checked what it read and refused; the Python checks say what is wrong in kvserve's words.
             check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
             check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
             raise
     return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale,
-                            max_query_len, max_seq_len, num_decodes, sliding_window)
+                            max_query_len, max_seq_len, num_decodes, sliding_window, soft_cap)
 
 
 def torch_paged_attention(
@@ -172,13 +176,25 @@ def torch_paged_attention(
     v_scale: float | None = None,
     num_decodes: int | None = None,
     sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """`paged_attention` in plain torch on any device, always validated: the oracle."""
     check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                             scale * check_scale("k_scale", k_scale), check_scale("v_scale", v_scale),
-                            max_query_len, max_seq_len, num_decodes, sliding_window)
+                            max_query_len, max_seq_len, num_decodes, sliding_window, soft_cap)
+
+
+def check_soft_cap(soft_cap: float) -> float:
+    if not soft_cap >= 0:  # NaN too
+        raise ValueError(f"soft_cap must be >= 0 (0: no soft-capping), got {soft_cap}")
+    return float(soft_cap)
+
+
+def cap_scores_(scores: torch.Tensor, soft_cap: float) -> torch.Tensor:
+    """scores <- soft_cap * tanh(scores / soft_cap), in place (0: unchanged)."""
+    return scores.div_(soft_cap).tanh_().mul_(soft_cap) if soft_cap else scores
 
 
 def _torch_attention(
@@ -194,16 +210,18 @@ def _torch_attention(
     max_seq_len: int | None,
     num_decodes: int | None,
     window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     if window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {window}")
+    soft_cap = check_soft_cap(soft_cap)
     out = query.new_empty(*query.shape[:2], value_cache.shape[-1])
     num_seqs = seq_lens.shape[0]
     if query.shape[0] == 0:
         return out
     if max_query_len == 1 or num_decodes == num_seqs:  # a pure decode step: no need to read the offsets
         decode_seqs = torch.arange(num_seqs, device=query.device)
-        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len, window)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len, window, soft_cap)
         return out
 
     if num_decodes is None:  # find the decodes among the requests
@@ -218,13 +236,13 @@ def _torch_attention(
         chunks = list(range(num_decodes, num_seqs))
         decode_seqs = decode_rows = torch.arange(num_decodes, device=query.device)
     if decode_seqs.numel():
-        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, decode_rows, score_scale, out_scale, None, window)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, decode_rows, score_scale, out_scale, None, window, soft_cap)
     lens = seq_lens.tolist() if chunks else []
     for i in chunks:
         if starts[i + 1] == starts[i]:
             continue  # a request with no tokens this step
         out[starts[i] : starts[i + 1]] = _chunk_attention(
-            query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale, window
+            query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale, window, soft_cap
         )
     return out
 
@@ -269,6 +287,7 @@ def _decode_batch(
     out_scale: float,
     max_seq_len: int | None,
     window: int = 0,
+    soft_cap: float = 0.0,
 ) -> None:
     num_kv_heads = key_cache.shape[1]
     longest = int(seq_lens[seqs].max()) if max_seq_len is None else max_seq_len
@@ -288,7 +307,7 @@ def _decode_batch(
     for index, first in enumerate(range(0, seqs.shape[0], slice_size)):
         last = first + slice_size
         _decode_slice(out, query, key_cache, value_cache, block_tables, lens[first:last], seqs[first:last],
-                      rows[first:last], score_scale, out_scale, int(slice_longest[index]), window)
+                      rows[first:last], score_scale, out_scale, int(slice_longest[index]), window, soft_cap)
 
 
 def _decode_slice(
@@ -304,6 +323,7 @@ def _decode_slice(
     out_scale: float,
     longest: int,
     window: int = 0,
+    soft_cap: float = 0.0,
 ) -> None:
     num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     num_heads = query.shape[1]
@@ -328,7 +348,7 @@ def _decode_slice(
     # Two batched matmuls rather than SDPA: with a single query row per request, CPU SDPA's
     # flash kernel spends its time on tiling overhead (measured 2x slower at 64 x 208 tokens).
     # The softmax runs in float32 whatever the cache dtype.
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(score_scale)  # [kv_heads, n, group, L]
+    scores = cap_scores_(torch.matmul(q, k.transpose(-1, -2)).float().mul_(score_scale), soft_cap)  # [kv_heads, n, group, L]
     scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
     attn = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
     if out_scale != 1.0:
@@ -345,6 +365,7 @@ def _chunk_attention(
     score_scale: float,
     out_scale: float,
     window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -358,7 +379,7 @@ def _chunk_attention(
     k, v = k[:, :seq_len - base], v[:, :seq_len - base]  # [kv_heads, seq_len - base, D (Dv)]
     # Fold each KV head's group of query heads into its rows: row g * q_len + t is head g, token t.
     q_rows = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
-    if group == 1 and q_len == seq_len and not 0 < window < seq_len:
+    if group == 1 and q_len == seq_len and not 0 < window < seq_len and not soft_cap:
         attn = F.scaled_dot_product_attention(q_rows, k, v, is_causal=True, scale=score_scale)
     else:
         positions = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat(group).unsqueeze(1)
@@ -366,7 +387,11 @@ def _chunk_attention(
         visible = keys <= positions
         if window:
             visible &= keys > positions - window
-        attn = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=visible, scale=score_scale)
+        if soft_cap:  # SDPA cannot cap its scores: the two products, the cap and the softmax spelled out, in fp32
+            scores = cap_scores_(torch.matmul(q_rows, k.transpose(-1, -2)).float().mul_(score_scale), soft_cap)
+            attn = torch.matmul(scores.masked_fill_(~visible, float("-inf")).softmax(dim=-1).to(v.dtype), v)
+        else:
+            attn = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=visible, scale=score_scale)
     if out_scale != 1.0:
         attn = attn * out_scale
     value_dim = v.shape[-1]

@@ -116,6 +116,7 @@ def triton_paged_attention(
     v_scale: float | None = None,
     num_decodes: int | None = None,
     sliding_window: int = 0,
+    soft_cap: float = 0.0,
     num_kv_splits: int | None = None,
     group_block: int | None = None,
     check_block_tables: bool = False,
@@ -129,6 +130,7 @@ def triton_paged_attention(
     launch covers decodes and chunks alike, so `num_decodes` only tells the planner when all are
     decodes. `sliding_window` w > 0: position p sees keys p - w + 1 .. p, and a tile reads from
     its first query's window start only (the splits cover the window, not the whole context).
+    `soft_cap` c > 0: each scaled score s becomes c * tanh(s / c) before the softmax.
     `launches` (one per step) carries the checks, plan and buffers from the step's first layer
     to the others."""
     key = StepLaunches.key(query, key_cache, value_cache) if launches is not None else None
@@ -151,7 +153,11 @@ def triton_paged_attention(
     _, num_kv_heads, block_size, _ = key_cache.shape
     if num_tokens == 0:
         return out
-    score_scale_log2 = scale * check_scale("k_scale", k_scale) * LOG2_E
+    score_scale = scale * check_scale("k_scale", k_scale)
+    if not soft_cap >= 0:
+        raise KernelInputError(f"soft_cap must be >= 0 (0: no soft-capping), got {soft_cap}")
+    # Capped scores are capped in natural units, then taken to log2 units.
+    score_scale_log2 = score_scale if soft_cap else score_scale * LOG2_E
     out_scale = check_scale("v_scale", v_scale)
     group = num_heads // num_kv_heads
     on_gpu = query.device.type == "cuda"
@@ -182,7 +188,7 @@ def triton_paged_attention(
     paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         out, partial_out, partial_lse,
-        score_scale_log2, out_scale, num_seqs, plan.kv_split_len, sliding_window,
+        score_scale_log2, out_scale, num_seqs, plan.kv_split_len, sliding_window, float(soft_cap),
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -195,6 +201,7 @@ def triton_paged_attention(
         TAIL_DIM=tail_dim, TAIL_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(max(tail_dim, 1))),
         BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, TILE=plan.tile,
         NUM_SPLITS=plan.num_splits, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
+        SOFT_CAP=soft_cap > 0,
     )
     if plan.num_splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](

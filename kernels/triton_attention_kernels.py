@@ -24,7 +24,8 @@ One launch covers the whole batch. The grid is (query tiles, KV heads, KV splits
 
 K/V tiles are gathered through the block table per position, so TILE need not equal the block
 size (tl.dot wants >= 16 on a GPU; blocks may be 8). Softmax runs online in base 2 with the
-scale (and the fp8 k_scale) folded into one multiplier.
+scale (and the fp8 k_scale) folded into one multiplier; a soft cap c (Gemma 2) turns each scaled
+score s into c * tanh(s / c) first.
 
 Keys may be wider than values (latent attention: 576-dim keys = the 512 latent values + a 64-dim
 rope key). A key is read as two power-of-2 tiles, its first V_DIM dims and the TAIL_DIM past
@@ -53,10 +54,21 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.conste
 
 
 @triton.jit
+def _soft_cap(scores, cap):
+    """cap * tanh(scores / cap), with tanh from exp2 (the interpreter has no tanh): tanh|x| =
+    (1 - e) / (1 + e), e = 2^(-2|x| log2 e) <= 1, never overflowing."""
+    x = scores / cap
+    magnitude = tl.abs(x)
+    e = tl.exp2(magnitude * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t) * cap
+
+
+@triton.jit
 def paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    score_scale_log2, out_scale, num_seqs, kv_split_len, sliding_window,
+    score_scale_log2, out_scale, num_seqs, kv_split_len, sliding_window, soft_cap,
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -67,7 +79,7 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     V_DIM: tl.constexpr, V_DIM_PAD: tl.constexpr, TAIL_DIM: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_BLOCK
     tile_index = tl.program_id(0)
@@ -129,7 +141,9 @@ def paged_attention_kernel(
         if TAIL_DIM > 0:
             k_tail = tl.load(k_rows + V_DIM + tail[None, :], mask=pos_valid[:, None] & tail_valid[None, :], other=0.0)
             scores += tl.dot(q_tail, tl.trans(k_tail.to(q.dtype)), input_precision=DOT_PRECISION)
-        scores = scores * score_scale_log2  # log2 units
+        scores = scores * score_scale_log2  # log2 units (natural ones with a soft cap: the launcher leaves LOG2_E out)
+        if SOFT_CAP:
+            scores = _soft_cap(scores, soft_cap) * 1.4426950408889634  # log2(e)
         visible = (positions[None, :] <= q_pos[:, None]) & pos_valid[None, :]
         visible = visible & ((sliding_window == 0) | (positions[None, :] > q_pos[:, None] - sliding_window))
         scores = tl.where(visible, scores, float("-inf"))

@@ -23,7 +23,8 @@
 // Metadata is bounds-checked as it is read: a bad block id is an error, never an out-of-bounds read.
 // A sliding window w (sliding_window > 0) starts each item at the block of its first row's window
 // (the blocks before it are never read: a window group gives them back) and masks each row's
-// keys before its own window start in the chunks it reads.
+// keys before its own window start in the chunks it reads. A soft cap c > 0 (Gemma 2) turns each
+// scaled score s into c * tanh(s / c) before the softmax, in both routes below.
 //
 // bf16 caches on CPUs with AMX take another route for tiles of <= 16 rows (decodes included): the
 // two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
@@ -207,6 +208,19 @@ inline Vec exp_nonpositive(Vec x) {
   return x > cutoff ? p * two_n : zero;
 }
 
+// c * tanh(s / c) for each score s: attention-logit soft-capping (Gemma 2), in vector operations
+// like exp_nonpositive. tanh|x| = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1; below |x| = 1/16,
+// where 1 - e would cancel, its Taylor series to x^5 (truncation < 1e-9 relative there).
+inline Vec soft_cap16(Vec s, float cap) {
+  const Vec x = s / cap;
+  const Vec magnitude = x < 0.0f ? -x : x;
+  const Vec e = exp_nonpositive(-2.0f * magnitude);
+  const Vec x2 = x * x;
+  const Vec series = magnitude * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f)));
+  const Vec t = magnitude < 0.0625f ? series : (1.0f - e) / (1.0f + e);
+  return (x < 0.0f ? -t : t) * cap;
+}
+
 // ---- metadata ------------------------------------------------------------------------------
 
 // seq_lens, query_start_loc and block_tables may each be int32 or int64.
@@ -243,6 +257,7 @@ struct Problem {
   int64_t max_blocks_per_seq;
   float score_scale, out_scale;
   int64_t window;  // sliding window w: position p sees keys p - w + 1 .. p; 0: full attention
+  float soft_cap;  // c > 0: every scaled score s becomes c * tanh(s / c) (soft_cap16); 0: none
 };
 
 // Per-thread fp32 scratch, allocated once per call and thread.
@@ -285,10 +300,10 @@ inline Vec reduce16(const Vec* parts) {
 // The online-softmax step of kRB rows for one chunk of n <= 16 keys, their scores in lanes:
 // rescales the rows' running outputs and sums when their maximum grows, and writes the chunk's
 // weights. Returns whether every row sees all n keys (always for decodes); a row that sees none
-// is left as it was, its weights unwritten.
+// is left as it was, its weights unwritten. soft_cap > 0 caps the scores first.
 template <int kRB>
 bool online_softmax(const Vec* row_scores, int64_t n, const int64_t* visible, const int64_t* hidden, int64_t NV,
-                    Vec* acc_out, float* row_max, float* row_sum, float (*weights)[kChunk]) {
+                    float soft_cap, Vec* acc_out, float* row_max, float* row_sum, float (*weights)[kChunk]) {
   const Vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
   bool whole_chunk = true;
@@ -297,7 +312,8 @@ bool online_softmax(const Vec* row_scores, int64_t n, const int64_t* visible, co
     if (visible[r] <= 0 || visible[r] <= hidden[r]) continue;
     // Lanes past `visible` (keys this row may not see, or past the chunk: stale parts) and
     // before `hidden` (outside a sliding window) are masked.
-    const Vec seen = lane < static_cast<float>(visible[r]) ? row_scores[r] : minus_inf;
+    const Vec capped = soft_cap > 0.0f ? soft_cap16(row_scores[r], soft_cap) : row_scores[r];
+    const Vec seen = lane < static_cast<float>(visible[r]) ? capped : minus_inf;
     const Vec scores = lane >= static_cast<float>(hidden[r]) ? seen : minus_inf;
     const float new_max = std::max(row_max[r], hmax(scores));
     const Vec p = exp_nonpositive(scores - new_max);
@@ -319,8 +335,8 @@ bool online_softmax(const Vec* row_scores, int64_t n, const int64_t* visible, co
 // converted once for several row blocks. Row r may see keys [hidden[r], visible[r]) of the n.
 template <typename src_t, int kVectors, int kRB>
 void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride, int64_t n,
-                const int64_t* visible, const int64_t* hidden, int64_t vectors, const Vec* q, Vec* acc_out, float* row_max, float* row_sum,
-                Vec* parts) {
+                const int64_t* visible, const int64_t* hidden, int64_t vectors, float soft_cap, const Vec* q, Vec* acc_out,
+                float* row_max, float* row_sum, Vec* parts) {
   const int64_t NV = kVectors > 0 ? kVectors : vectors;
   for (int64_t j = 0; j < n; ++j) {
     Vec k[kMaxVectors];
@@ -334,7 +350,7 @@ void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int6
   Vec scores[kRB];
   for (int r = 0; r < kRB; ++r) scores[r] = reduce16(parts + r * kChunk);
   alignas(64) float weights[kRB][kChunk];
-  const bool whole_chunk = online_softmax<kRB>(scores, n, visible, hidden, NV, acc_out, row_max, row_sum, weights);
+  const bool whole_chunk = online_softmax<kRB>(scores, n, visible, hidden, NV, soft_cap, acc_out, row_max, row_sum, weights);
   if (whole_chunk) {  // keys outer, rows inner: each V row is loaded once for the whole block
     Vec acc[kRB][kMaxVectors];
     for (int r = 0; r < kRB; ++r)
@@ -477,7 +493,7 @@ void transpose_queries(const c10::BFloat16* const* rows_q, int64_t rows, int64_t
 // tiles across the segment, four output tiles at a time. Row r is at position first_position +
 // r / group and sees the keys up to there. acc / row_max / row_sum: the rows' running state, as in chunk_rows.
 void segment_amx(int64_t k_stride, int64_t v_stride, int64_t rows, int64_t first_position, int64_t group,
-                 int64_t head_dim, float scale, Vec* acc, float* row_max, float* row_sum, AmxScratch& a) {
+                 int64_t head_dim, float scale, float soft_cap, Vec* acc, float* row_max, float* row_sum, AmxScratch& a) {
   const int64_t NV = head_dim / kLanes, halves = head_dim / (2 * kLanes);
   const int64_t count = static_cast<int64_t>(a.chunks.size());
   for (int64_t c = 0; c < count; ++c) {  // S^T of each chunk
@@ -522,7 +538,8 @@ void segment_amx(int64_t k_stride, int64_t v_stride, int64_t rows, int64_t first
     Vec segment_max = minus_inf;
     for (int64_t c = 0; c < count; ++c) {
       const int64_t visible = std::min(a.chunks[c].n, position - a.chunks[c].first_key + 1);
-      const Vec scores = (Vec)_mm512_i32gather_ps(column, scores_t + c * kChunk * kChunk + r, 4) * scale;
+      const Vec scaled = (Vec)_mm512_i32gather_ps(column, scores_t + c * kChunk * kChunk + r, 4) * scale;
+      const Vec scores = soft_cap > 0.0f ? soft_cap16(scaled, soft_cap) : scaled;
       a.scores[c] = lane < static_cast<float>(visible) ? scores : minus_inf;
       segment_max = vmax(segment_max, a.scores[c]);
     }
@@ -605,10 +622,10 @@ struct AmxScratch {
 // Rows [r0, r0 + count) of the tile against one chunk, count <= kRowBlock.
 template <typename src_t, int kVectors>
 void chunk_row_block(int64_t count, const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride,
-                     int64_t n, const int64_t* visible, int64_t vectors, Scratch& s, int64_t r0) {
+                     int64_t n, const int64_t* visible, int64_t vectors, float soft_cap, Scratch& s, int64_t r0) {
   const int64_t NV = vectors;
   const auto args = std::make_tuple(k_rows, k_stride, v_rows, v_stride, n, visible + r0, s.hidden.data() + r0, vectors,
-                                    s.q.data() + r0 * NV,
+                                    soft_cap, s.q.data() + r0 * NV,
                                     s.acc.data() + r0 * NV, s.row_max.data() + r0, s.row_sum.data() + r0, s.parts.data());
   switch (count) {
     case 1: return std::apply(chunk_rows<src_t, kVectors, 1>, args);
@@ -656,7 +673,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
     transpose_queries(reinterpret_cast<const c10::BFloat16* const*>(row_queries), rows, p.head_dim, a);
   }
   auto amx_segment = [&] {
-    segment_amx(p.k_stride_s, p.v_stride_s, rows, context_before_tile, group, p.head_dim, p.score_scale, s.acc.data(),
+    segment_amx(p.k_stride_s, p.v_stride_s, rows, context_before_tile, group, p.head_dim, p.score_scale, p.soft_cap, s.acc.data(),
                 s.row_max.data(), s.row_sum.data(), a);
   };
 #endif
@@ -725,9 +742,9 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
         if (visible[r0 + count - 1] <= 0 || hidden[r0] >= n) continue;  // later rows see more and start later: none of this block sees the chunk
         if (staged) {
           chunk_row_block<float, kVectors>(count, reinterpret_cast<const float*>(s.k.data()), NV * kLanes,
-                                           reinterpret_cast<const float*>(s.v.data()), NV * kLanes, n, visible, NV, s, r0);
+                                           reinterpret_cast<const float*>(s.v.data()), NV * kLanes, n, visible, NV, p.soft_cap, s, r0);
         } else {
-          chunk_row_block<kv_t, kVectors>(count, k_rows, p.k_stride_s, v_rows, p.v_stride_s, n, visible, NV, s, r0);
+          chunk_row_block<kv_t, kVectors>(count, k_rows, p.k_stride_s, v_rows, p.v_stride_s, n, visible, NV, p.soft_cap, s, r0);
         }
       }
     }
@@ -845,7 +862,9 @@ Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t 
                           " tokens needs more than the ", p.max_blocks_per_seq, " blocks of its block table row");
       }
       if ((pass == 0) != (q_len > 1)) continue;  // chunks in the first pass, decodes in the second
-      if (sdpa_prompts && q_len == seq_len && q_len >= kSdpaMinTokens && (p.window == 0 || seq_len <= p.window)) {
+      // SDPA neither masks a window nor caps scores: such prompts stay here.
+      if (sdpa_prompts && q_len == seq_len && q_len >= kSdpaMinTokens && (p.window == 0 || seq_len <= p.window) &&
+          p.soft_cap == 0.0f) {
         plan.prompts.push_back(seq);
         continue;
       }
@@ -863,7 +882,8 @@ Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t 
 
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens_in,
-                           const at::Tensor& query_start_loc_in, double score_scale, double out_scale, int64_t sliding_window) {
+                           const at::Tensor& query_start_loc_in, double score_scale, double out_scale, int64_t sliding_window,
+                           double soft_cap) {
   TORCH_CHECK_VALUE(query_in.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
                     "query must be [tokens, heads, head_dim] and both caches [blocks, kv_heads, block_size, head_dim]");
   for (const at::Tensor* t : {&query_in, &key_cache, &value_cache, &block_tables, &seq_lens_in, &query_start_loc_in}) {
@@ -917,6 +937,8 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   p.out_scale = static_cast<float>(out_scale);
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: full attention), got ", sliding_window);
   p.window = sliding_window;
+  TORCH_CHECK_VALUE(soft_cap >= 0.0, "soft_cap must be >= 0 (0: no soft-capping), got ", soft_cap);
+  p.soft_cap = static_cast<float>(soft_cap);
   const at::ScalarType q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   TORCH_CHECK_VALUE(value_cache.scalar_type() == kv_type, "key_cache and value_cache must have the same dtype");
   const bool fp8 = kv_type == at::kFloat8_e4m3fn;
@@ -1031,7 +1053,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
 
 // Shapes only, for torch.compile's fake tensors (symbolic sizes): the ops stay single graph nodes.
 at::Tensor paged_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, double, double, c10::SymInt) {
+                                const at::Tensor&, const at::Tensor&, double, double, c10::SymInt, double) {
   return at::empty_symint(query.sym_sizes(), query.options());
 }
 
@@ -1043,7 +1065,7 @@ void write_kv_cache_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, float score_scale, float out_scale, SymInt sliding_window=0) -> Tensor");
+      "Tensor query_start_loc, float score_scale, float out_scale, SymInt sliding_window=0, float soft_cap=0.0) -> Tensor");
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
       "float k_scale, float v_scale) -> ()");

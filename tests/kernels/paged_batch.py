@@ -86,10 +86,11 @@ def make_batch(
     )
 
 
-def dense_attention(batch: PagedBatch, sliding_window: int = 0) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, sliding_window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
     """fp32 SDPA per request on contiguous K/V (GQA by repeating heads), causal mask aligned to
-    the end of the context (and, with a sliding window w, keys within w - 1 of the query).
-    Returns [num_tokens, num_heads, head_dim] in float32 on the CPU."""
+    the end of the context (and, with a sliding window w, keys within w - 1 of the query; with a
+    soft cap c, scores s as c * tanh(s / c), spelled out). Returns [num_tokens, num_heads,
+    head_dim] in float32 on the CPU."""
     query = batch.query.float().cpu()
     starts = batch.query_start_loc.tolist()
     group = query.shape[1] // batch.dense_keys[0].shape[1]
@@ -103,7 +104,12 @@ def dense_attention(batch: PagedBatch, sliding_window: int = 0) -> torch.Tensor:
         causal = keys_at <= queries_at
         if sliding_window:
             causal &= keys_at > queries_at - sliding_window
-        outputs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=batch.scale).transpose(0, 1))
+        if soft_cap:
+            scores = soft_cap * torch.tanh(q @ keys.transpose(-1, -2) * batch.scale / soft_cap)
+            out = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ values
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=batch.scale)
+        outputs.append(out.transpose(0, 1))
     return torch.cat(outputs)
 
 
