@@ -1,7 +1,7 @@
 """Self-attention over the paged KV cache, with the options the families beyond Llama need:
 q/k RMSNorm per head (Qwen3, Gemma 3), partial rotary (Phi-3: the rope tables are narrower than a
-head), a score scale other than 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar) and a layer's
-sliding window.
+head), a score scale other than 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar), a cap on the
+scores (Gemma 2's soft-capping) and a layer's sliding window.
 
     q, k, v = split(qkv_proj(x))        one fused matmul; column-parallel under TP (whole heads)
     q, k    = q_norm(q), k_norm(k)      per head, over head_dim (where the family has them)
@@ -36,15 +36,18 @@ if TYPE_CHECKING:
 
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, parallel: TensorParallel = SINGLE, *, scale: float | None = None,
-                 qk_norm: Callable[[int], nn.Module] | None = None, sliding_window: int | None = None) -> None:
+                 qk_norm: Callable[[int], nn.Module] | None = None, sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> None:
         """`qk_norm(head_dim)` builds the q and k norms; `sliding_window`: the tokens a query of
-        this layer sees (itself included), None for all of them."""
+        this layer sees (itself included), None for all of them; `soft_cap` c: scores s become
+        c * tanh(s / c) before the softmax (Gemma 2's attn_logit_softcapping), None for none."""
         super().__init__()
         self.num_heads, self.num_kv_heads = parallel.local(config.num_heads), parallel.local(config.num_kv_heads)
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = config.head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.soft_cap = float(soft_cap or 0.0)  # the kernels' 0: no cap
         self.qkv_proj = column_parallel_linear(config.hidden_size, (config.q_size, config.kv_size, config.kv_size),
                                                config.attention_bias, parallel)
         self.o_proj = row_parallel_linear(config.q_size, config.hidden_size, parallel)
@@ -61,7 +64,7 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         attention.write_kv_cache(k, v, kv_cache, meta)
-        out = attention.paged_attention(q, kv_cache, meta, self.scale)
+        out = attention.paged_attention(q, kv_cache, meta, self.scale, self.soft_cap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def kv_cache_spec(self, dtype: str, dtype_bytes: int) -> KVCacheSpec:

@@ -1,7 +1,7 @@
 """The config.json files the families ship with (their deciding fields, as published) parse to
 what the model needs: Qwen3's head_dim, Phi-3's window cap, Phi-4-mini's partial rotary and
-LongRoPE, Gemma 3's layer pattern, rope per layer kind and defaults; and what kvserve cannot serve
-is refused with a clear error."""
+LongRoPE, Gemma 3's layer pattern, rope per layer kind and defaults, Gemma 2's alternating layers
+and soft-caps; and what kvserve cannot serve is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -38,6 +38,15 @@ GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "a
              "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
              "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
              "sliding_window_pattern": 6, "vocab_size": 262144}
+GEMMA2_2B_IT = {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+                "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+                "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+                "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192,
+                "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+                "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+                "sliding_window": 4096, "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True,
+                "vocab_size": 256000}
 
 
 def test_qwen3_takes_head_dim_from_the_config():
@@ -96,6 +105,36 @@ def test_gemma3_in_transformers5_layer_types_and_ropes_per_kind():
         model_config_from_hf_dict({**hf, "layer_types": ["sliding_attention", "full_attention", "full_attention"] * 9})
 
 
-def test_gemma_attention_soft_capping_is_refused_by_name():
-    with pytest.raises(ModelConfigError, match="attention-logit soft-capping"):
-        model_config_from_hf_dict({**GEMMA3_1B, "attn_logit_softcapping": 50.0})
+def test_gemma2_2b_it_alternates_window_and_global_layers_with_soft_caps():
+    config = model_config_from_hf_dict(GEMMA2_2B_IT)
+    assert config.architecture == "gemma2" and config.tie_word_embeddings and not config.qk_norm
+    assert [i for i in range(26) if config.is_global(i)] == list(range(1, 26, 2))  # even layers local
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling) == (1e4, 1e4, None)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert (config.local_window, config.query_pre_attn_scalar, config.eos_token_ids) == (4096, 256.0, (1, 107))
+    assert (config.kv_shape().sliding_window, config.kv_shape().num_window_layers) == (4096, 13)
+    with torch.device("meta"):
+        model = family_of(config).build(config, SINGLE)
+    attention = [layer.self_attn for layer in model.layers]
+    assert {a.soft_cap for a in attention} == {50.0} and all(a.q_norm is None for a in attention)
+    assert model.final_logit_soft_cap == 30.0 and model.embed_scale == pytest.approx(2304**0.5)
+    assert [getattr(spec, "sliding_window", None) for spec in model.kv_cache_specs("bfloat16", 2)[:4]] == [4096, None] * 2
+    # transformers 5 writes the alternation as layer_types and the rope as rope_parameters.
+    hf5 = {k: v for k, v in GEMMA2_2B_IT.items() if k != "rope_theta"}
+    hf5 |= {"layer_types": ["sliding_attention", "full_attention"] * 13,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert model_config_from_hf_dict(hf5) == config
+
+
+def test_gemma3_with_attention_soft_capping_caps_every_layer():
+    config = model_config_from_hf_dict({**GEMMA3_1B, "attn_logit_softcapping": 50.0})
+    assert config.attn_logit_softcapping == 50.0 and config.qk_norm
+    with torch.device("meta"):
+        model = family_of(config).build(config, SINGLE)
+    assert {layer.self_attn.soft_cap for layer in model.layers} == {50.0}
+    assert model_config_from_hf_dict(GEMMA3_1B).attn_logit_softcapping is None
+
+
+def test_a_negative_gemma_soft_cap_is_refused_by_name():
+    with pytest.raises(ModelConfigError, match="attn_logit_softcapping must be positive"):
+        model_config_from_hf_dict({**GEMMA2_2B_IT, "attn_logit_softcapping": -50.0})

@@ -1,5 +1,6 @@
 """Qwen3, Phi-3 (Phi-4-mini's partial rotary and LongRoPE), Gemma 3 (local and global layers, a
-rope per kind, four (1 + w) norms per block, GeGLU, scaled embeddings) and Llama 3.x's rope
+rope per kind, four (1 + w) norms per block, GeGLU, scaled embeddings), Gemma 2 (alternating
+local and global layers, attention-logit and final-logit soft-capping) and Llama 3.x's rope
 scaling (tests/engine/tiny_families.py): each tiny random model loads from its HF folder and from a GGUF
 written as llama.cpp's converter lays it out; its logits equal transformers' in float32 through the
 paged cache (within TOLERANCE), and its greedy tokens equal transformers' (exact, up to near-ties)
@@ -11,9 +12,10 @@ pretraining length (64 tokens here), as llama.cpp decides once from the context;
 decides per forward from the longest position in it. The two agree once a sequence is longer than
 the original context, so every prompt here is (65 tokens and up).
 
-Gemma 3's local layers' window (tiny_families.GEMMA3_WINDOW, 32) is a fraction of every prompt:
-its local and global layers form two layer groups, the local one giving back blocks that leave
-the window."""
+Gemma 3's and Gemma 2's local layers' window (tiny_families.GEMMA3_WINDOW, 32) is a fraction of
+every prompt: their local and global layers form layer groups, the local ones giving back blocks
+that leave the window. transformers runs its eager attention, the one that applies Gemma 2's
+attention soft-cap."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from tests.engine.conftest import PagedDriver, PagedSequence, transformers_greed
 from tests.engine.greedy_check import near_tie_divergences
 from tests.engine.tiny_families import write_llama_cpp_gguf, write_tiny_model
 
-FAMILIES = ("qwen3", "phi3", "llama3", "gemma3")
+FAMILIES = ("qwen3", "phi3", "llama3", "gemma3", "gemma2")
 TOLERANCE = 1e-3  # max |logit difference| in float32 (the Llama family's bound)
 MAX_NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
@@ -47,10 +49,11 @@ def references(tiny_dirs) -> dict:
     return {name: _reference(path) for name, path in tiny_dirs.items()}
 
 
-def _reference(path: Path):
+def _reference(path: Path, **config_overrides):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                **config_overrides).eval()
 
 
 def _random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
@@ -89,6 +92,15 @@ def test_hf_folder_and_llama_cpp_gguf_logits_match_transformers(name, tiny_dirs,
                         references[name], lengths)
 
 
+@pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma2_soft_caps_bite_on_the_tiny_model(cap, tiny_dirs, references):
+    # Else the logits tests could not tell a backend that skips a cap from one that applies it.
+    prompt = _random_prompts(49152, (90,))[0]
+    uncapped = _reference(tiny_dirs["gemma2"], **{cap: None})
+    difference = (transformers_logits(uncapped, prompt) - transformers_logits(references["gemma2"], prompt)).abs().max()
+    assert difference > 100 * TOLERANCE
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_llama_cpp_gguf_greedy_tokens_match_transformers(name, tiny_dirs, references, tmp_path):
     config, model = load_model(ModelSource("gguf", write_llama_cpp_gguf(tiny_dirs[name], tmp_path / "m.gguf")),
@@ -121,6 +133,8 @@ def test_engine_greedy_tokens_match_transformers(name, regime, tiny_dirs, greedy
         # Its 5 local layers and 1 global one form 6 one-layer groups sharing the pool; with
         # 64-token steps a request holds at most 10 global + 5 x 7 local blocks.
         options |= {"num_kv_blocks": 48, "max_num_batched_tokens": 64}
+    if regime == "preemption" and name == "gemma2":  # 2 local + 2 global one-layer groups: 2 x 10 + 2 x 7
+        options |= {"num_kv_blocks": 36, "max_num_batched_tokens": 64}
     llm = LLM(str(tiny_dirs[name]), dtype="float32", enforce_eager=True, max_model_len=160, **options)
     if regime == "prefix-hits":  # the first shared-prefix prompt fills the cache; the other three reuse it
         llm.generate([PROMPTS[12]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)

@@ -15,6 +15,9 @@ import torch
 from safetensors.numpy import load_file
 
 GEMMA3_WINDOW = 32  # two 16-token blocks: the test prompts are several windows long
+# Gemma 2's caps, scaled down from the shipped 50 / 30 so that they bite on a tiny random model's
+# scores and logits (tests/engine/test_model_families.py checks that they do).
+GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP = 2.0, 3.0
 VOCAB = 49152  # SmolLM2's tokenizer serves every tiny model
 
 
@@ -37,6 +40,13 @@ def tiny_config(name: str):
             sliding_window_pattern=6, final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh",
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if name == "gemma2":
+        # Gemma 2's shape: local (even) and global (odd) layers alternating, one rope base, no q/k
+        # norms, attention-logit and final-logit soft-capping.
+        return transformers.Gemma2Config(
+            **common, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=32, sliding_window=GEMMA3_WINDOW,
+            attn_logit_softcapping=GEMMA2_ATTN_CAP, final_logit_softcapping=GEMMA2_FINAL_CAP,
+            hidden_activation="gelu_pytorch_tanh", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if name == "phi3":
         # Phi-4-mini's shape of rope: partial rotary (half of each 16-dim head) and LongRoPE with an
         # original context of 64 < 512, so the long factors apply.
@@ -72,7 +82,7 @@ def write_tiny_model(name: str, path: Path, tokenizer, seed: int = 0) -> Path:
 
 # -------------------------------------------------------------- GGUF, as llama.cpp's converter writes it
 
-GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
+GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma2ForCausalLM": "gemma2",
              "Phi3ForCausalLM": "phi3", "LlamaForCausalLM": "llama"}
 
 
@@ -109,10 +119,12 @@ def write_llama_cpp_gguf(hf_dir: Path, path: Path) -> Path:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     extra: dict[str, np.ndarray] = {}
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         writer.add_sliding_window(config["sliding_window"])
         if config.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
     if arch == "phi3":
         rotary_dim = int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads
         writer.add_rope_dimension_count(rotary_dim)
@@ -128,12 +140,12 @@ def write_llama_cpp_gguf(hf_dir: Path, path: Path) -> Path:
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
     weights = load_file(hf_dir / "model.safetensors")
     for name, array in weights.items():
-        if name == "lm_head.weight" and arch == "gemma3":
+        if name == "lm_head.weight" and arch in ("gemma3", "gemma2"):
             continue  # the converter skips it (tied)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             array = array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma3", "gemma2") and name.endswith("norm.weight"):
             array = array + 1  # llama.cpp's RMSNorm scales by w; Gemma's by (1 + w)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"{arch}: no GGUF name for {name}"
