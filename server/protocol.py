@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from kvserve.server.structured_outputs import StructuredOutputFields
 from kvserve.server.tool_calls import NamedToolChoice, ToolCall, ToolDefinition
@@ -100,6 +100,17 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered by the template
     tool_call_id: str | None = None  # a tool turn's answer to that call
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Images, audio and files are refused by name (a multimodal checkpoint, Gemma 3 4B's, is
+        # served as its text model), rather than as a list item that is not a text part.
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: kvserve serves text only")
+        return content
 
     def text(self) -> str:
         if self.content is None:

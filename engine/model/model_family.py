@@ -50,6 +50,9 @@ class CheckpointLayout:
     # name prefixes of such tensors (DeepSeek-V3's multi-token-prediction layer).
     ignored: frozenset[str] = field(default_factory=frozenset)
     ignored_prefixes: tuple[str, ...] = ()
+    # Checkpoint name prefixes read under another name before any of the above is matched (old ->
+    # new; engine/model/renamed_checkpoint.py): one layout for two spellings of one checkpoint.
+    renames: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

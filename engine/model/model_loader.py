@@ -28,6 +28,7 @@ from kvserve.engine.model.model_source import ModelSource
 from kvserve.engine.model.parallel_layers import ParallelWrapper
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.model.registry import family_of, load_model_config, model_config_from_gguf
+from kvserve.engine.model.renamed_checkpoint import RenamedCheckpoint
 from kvserve.engine.model.safetensors_checkpoint import SafetensorsCheckpoint
 from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
 
@@ -54,6 +55,8 @@ def build_model(family: ModelFamily, config: ModelConfig, checkpoint: Checkpoint
                 device: torch.device, parallel: TensorParallel = SINGLE) -> CausalLM:
     """Builds the rank's module on the meta device and adopts its slice of every weight."""
     layout = family.checkpoint_layout(config)
+    if layout.renames:
+        checkpoint = RenamedCheckpoint(checkpoint, layout.renames)
     _check_names(checkpoint, layout.targets, layout.ignored, layout.ignored_prefixes)
     with torch.device("meta"):
         full_shapes = {name: getattr(*slot).shape for name, slot in _slots(family.build(config, SINGLE)).items()}

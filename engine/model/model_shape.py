@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvserve.engine.model import gemma3_multimodal
 from kvserve.engine.model.gguf_metadata import read_gguf, shape_from_gguf
 from kvserve.engine.model.hf_config import shape_from_hf_dict
 from kvserve.engine.model.model_errors import CorruptModelError
@@ -42,4 +43,7 @@ def read_model_shape(path: Path) -> ModelShape:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CorruptModelError(f"{path} is not valid JSON ({exc})") from exc
+    if (config.get("architectures") or [None])[0] == gemma3_multimodal.HF_CLASS:
+        # Its shipped text_config leaves out what transformers fills with defaults.
+        config = {**config, "text_config": gemma3_multimodal.text_config(config)}
     return shape_from_hf_dict(path.parent.name if path.name == "config.json" else path.stem, config)

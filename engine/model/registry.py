@@ -15,6 +15,7 @@ import gguf
 
 from kvserve.engine.model.deepseek import DEEPSEEK
 from kvserve.engine.model.gemma3 import GEMMA3
+from kvserve.engine.model.gemma3_multimodal import GEMMA3_MULTIMODAL
 from kvserve.engine.model.gguf_metadata import GGUFFields, read_gguf
 from kvserve.engine.model.hf_config import read_hf_config
 from kvserve.engine.model.llama import LLAMA
@@ -24,7 +25,7 @@ from kvserve.engine.model.model_family import ModelFamily
 from kvserve.engine.model.phi3 import PHI3
 from kvserve.engine.model.qwen3 import QWEN3
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, DEEPSEEK, QWEN3, PHI3, GEMMA3)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, DEEPSEEK, QWEN3, PHI3, GEMMA3, GEMMA3_MULTIMODAL)
 
 _BY_ARCHITECTURE: Mapping[str, ModelFamily] = {arch: f for f in FAMILIES for arch in f.architectures}
 _BY_HF_CLASS: Mapping[str, str] = {hf: arch for f in FAMILIES for arch, hf in f.architectures.items()}

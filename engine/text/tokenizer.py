@@ -1,8 +1,9 @@
 """Text <-> token ids for one model, built on the `tokenizers` library.
 
 Two sources: a GGUF file (vocabulary rebuilt from its metadata, see tokenizer_gguf.py) or a
-Hugging Face directory (tokenizer.json + tokenizer_config.json, with chat_template.jinja when
-present). Whether a BOS token is added is decided by the model's post-processor, never here.
+Hugging Face directory (tokenizer.json + tokenizer_config.json, with chat_template.jinja or a
+processor's chat_template.json when present). Whether a BOS token is added is decided by the
+model's post-processor, never here.
 """
 
 from __future__ import annotations
@@ -160,7 +161,14 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
+    # Multimodal checkpoints (Gemma 3 4B/12B/27B) ship their processor's template as chat_template.json.
+    processor_file = path / "chat_template.json"
     template = config.get("chat_template")
+    if processor_file.is_file():
+        try:
+            template = json.loads(processor_file.read_text(encoding="utf-8")).get("chat_template", template)
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise TokenizerLoadError(f"{processor_file} is not a JSON object with a chat_template ({exc})") from exc
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")

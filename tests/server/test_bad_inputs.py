@@ -89,6 +89,15 @@ async def test_bad_input_answers_with_openai_error(client: httpx.AsyncClient, pa
     await assert_healthy(client)
 
 
+async def test_image_content_parts_are_refused_by_name(client: httpx.AsyncClient) -> None:
+    parts = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    response = await client.post(CHAT, json={"messages": [{"role": "user", "content": parts}]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content" and "'image_url' are not supported" in error["message"]
+
+
 @pytest.mark.parametrize(("content", "content_type"), [
     (b"{not json", "application/json"),
     (b'{"prompt": "a"}', "text/plain"),
