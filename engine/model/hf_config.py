@@ -71,16 +71,40 @@ def shape_from_hf_dict(name: str, hf: Mapping[str, Any]) -> ModelShape:
         raise ModelConfigError(str(exc)) from exc
 
 
+QWEN_MODEL_TYPES = ("qwen2", "qwen3")
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
+
+
+def qwen_window_layers(hf: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers in it) of a Qwen2/Qwen3 config.json, as transformers reads it: only with
+    use_sliding_window (shipped configs mostly say false, and then their sliding_window means
+    nothing); its `layer_types` where written, else the layers from max_window_layers on."""
+    window = hf.get("sliding_window")
+    if not (hf.get("use_sliding_window") and window):
+        return None, None
+    kinds = hf.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != num_layers:
+            raise ModelConfigError(f"config.json layer_types {kinds!r} does not name each of the {num_layers} layers")
+        layers = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    else:
+        layers = tuple(range(int(hf.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)), num_layers))
+    return (int(window), layers) if layers else (None, None)
+
+
 def window_layers_from_hf(hf: Mapping[str, Any], num_layers: int) -> tuple[int | None, int]:
     """(sliding window, how many layers use it) as transformers reads a config.json: its
     `layer_types` where written ("sliding_attention" layers), else Gemma 3's
     sliding_window_pattern (every n-th layer global), Gemma 2's alternation (even layers
-    windowed), Mistral's window on every layer; (None, 0) for a model without one. A windowed
-    Qwen2/Qwen3 (use_sliding_window) is left out: the engine serves it capped at its window."""
+    windowed), Mistral's window on every layer, a windowed Qwen2/Qwen3's from max_window_layers
+    on; (None, 0) for a model without one."""
     window = hf.get("sliding_window")
     if not window:
         return None, 0
     model_type = str(hf.get("model_type", ""))
+    if model_type in QWEN_MODEL_TYPES:
+        window, layers = qwen_window_layers(hf, num_layers)
+        return window, len(layers or ())
     if isinstance(hf.get("layer_types"), list):
         count = sum(kind == "sliding_attention" for kind in hf["layer_types"])
     elif model_type.startswith("gemma3"):

@@ -20,6 +20,7 @@ from kvserve.engine.model.config_fields import gguf_config_fields, hf_config_fie
 from kvserve.engine.model.decoder_lm import DecoderLM, PreNormBlock
 from kvserve.engine.model.gated_mlp import GatedMLP
 from kvserve.engine.model.gguf_metadata import GGUFFields
+from kvserve.engine.model.hf_config import qwen_window_layers
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import ModelConfigError
 from kvserve.engine.model.model_family import CheckpointLayout, GGUFTensor, ModelFamily, Split, WeightTarget
@@ -37,10 +38,11 @@ class LlamaForCausalLM(DecoderLM):
         def norm() -> RMSNorm:
             return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-        # Mistral's sliding window is every layer's (SelfAttention declares it in its cache spec).
-        layers = [PreNormBlock(SelfAttention(config, parallel, sliding_window=config.sliding_window),
+        # Mistral's sliding window is every layer's, a windowed Qwen2's its upper layers' (each
+        # SelfAttention declares its window in its cache spec).
+        layers = [PreNormBlock(SelfAttention(config, parallel, sliding_window=config.layer_window(i)),
                                GatedMLP(config.hidden_size, config.intermediate_size, parallel), norm(), norm())
-                  for _ in range(config.num_layers)]
+                  for i in range(config.num_layers)]
         super().__init__(config, layers, norm(), [RotaryEmbedding(config)], parallel)
 
     @property
@@ -60,11 +62,9 @@ def config_from_hf(architecture: str, hf: Mapping[str, Any], generation: Mapping
         # Served with the window: every layer attends to the last `sliding_window` positions
         # (Mistral 7B v0.1), and its cache holds only those.
         values["sliding_window"] = int(sliding_window)
-    elif architecture == "qwen2" and sliding_window and hf.get("use_sliding_window", False):
-        # Qwen2 windows only the layers from max_window_layers on; not served: full attention is
-        # identical within the window, so we serve only that much context rather than silently
-        # computing something else.
-        values["max_position_embeddings"] = min(values["max_position_embeddings"], int(sliding_window))
+    elif architecture == "qwen2":
+        # With use_sliding_window, the layers from max_window_layers on attend within the window.
+        values["sliding_window"], values["window_layers"] = qwen_window_layers(hf, values["num_layers"])
     refuse_yarn(values, "Llama-family")
     return ModelConfig(**{**values, "attention_bias": architecture == "qwen2"})
 

@@ -54,6 +54,9 @@ class ModelConfig:
     # Every layer attends to the last `sliding_window` positions, its own included (Mistral 7B
     # v0.1's 4,096); None: full attention.
     sliding_window: int | None = None
+    # The layers that do (a windowed Qwen2's from max_window_layers on), the others attending to
+    # everything; None: every layer.
+    window_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -66,6 +69,10 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelConfigError(f"sliding_window must be positive (or absent), got {self.sliding_window}")
+        if self.window_layers is not None and (self.sliding_window is None or not self.window_layers
+                                               or not all(0 <= i < self.num_layers for i in self.window_layers)):
+            raise ModelConfigError(f"window_layers {self.window_layers} must name some of the {self.num_layers} layers, "
+                                   f"with a sliding_window (got {self.sliding_window})")
         if self.head_dim % 2:
             raise ModelConfigError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
@@ -92,10 +99,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The tokens a query of `layer` attends to (itself included); None: all of them."""
+        return self.sliding_window if self.window_layers is None or layer in self.window_layers else None
+
     def kv_shape(self, name: str = "model") -> ModelShape:
         """The attention shape that sizes the KV cache (bytes per token and per block live there)."""
+        windowed = sum(self.layer_window(i) is not None for i in range(self.num_layers))
         return ModelShape(name, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.max_position_embeddings,
-                          sliding_window=self.sliding_window, num_window_layers=self.num_layers if self.sliding_window else 0)
+                          sliding_window=self.sliding_window if windowed else None, num_window_layers=windowed)
 
 
 def end_of_generation_ids(config: ModelConfig, tokenizer_eos_token_id: int | None) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from kvserve.engine.model.config_fields import gguf_config_fields, hf_config_fie
 from kvserve.engine.model.decoder_lm import DecoderLM, PreNormBlock
 from kvserve.engine.model.gated_mlp import GatedMLP
 from kvserve.engine.model.gguf_metadata import GGUFFields
+from kvserve.engine.model.hf_config import qwen_window_layers
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import ModelConfigError
 from kvserve.engine.model.model_family import CheckpointLayout, GGUFTensor, ModelFamily, WeightTarget
@@ -26,10 +27,10 @@ def build(config: ModelConfig, parallel: TensorParallel = SINGLE) -> DecoderLM:
     def norm(dim: int) -> RMSNorm:
         return RMSNorm(dim, config.rms_norm_eps)
 
-    layers = [PreNormBlock(SelfAttention(config, parallel, qk_norm=norm),
+    layers = [PreNormBlock(SelfAttention(config, parallel, qk_norm=norm, sliding_window=config.layer_window(i)),
                            GatedMLP(config.hidden_size, config.intermediate_size, parallel),
                            norm(config.hidden_size), norm(config.hidden_size))
-              for _ in range(config.num_layers)]
+              for i in range(config.num_layers)]
     return DecoderLM(config, layers, norm(config.hidden_size), [RotaryEmbedding(config)], parallel)
 
 
@@ -40,10 +41,8 @@ def config_from_hf(architecture: str, hf: Mapping[str, Any], generation: Mapping
     hf = {**hf, "head_dim": hf.get("head_dim") or QWEN3_DEFAULT_HEAD_DIM}
     fields = hf_config_fields(architecture, hf, generation)
     refuse_yarn(fields, "Qwen3")
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
-        # Its upper layers attend within the window; within the window that is full attention,
-        # so serve only that much context rather than silently computing something else.
-        fields["max_position_embeddings"] = min(fields["max_position_embeddings"], int(hf["sliding_window"]))
+    # With use_sliding_window, the layers from max_window_layers on attend within the window.
+    fields["sliding_window"], fields["window_layers"] = qwen_window_layers(hf, fields["num_layers"])
     return ModelConfig(**fields)
 
 

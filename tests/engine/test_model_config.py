@@ -47,10 +47,12 @@ def test_qwen2_has_qkv_bias_and_mistral_is_served_with_its_window():
     qwen = model_config_from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
                                       "use_sliding_window": False})
     assert qwen.attention_bias and qwen.max_position_embeddings == 131072 and qwen.sliding_window is None
-    # A windowed Qwen2 (max_window_layers) is not served with its window: capped to it instead.
+    # A windowed Qwen2 is served with its window on the layers from max_window_layers on
+    # (tests/engine/test_qwen2_window.py), over the whole context.
     windowed_qwen = model_config_from_hf_dict({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
-                                               "use_sliding_window": True})
-    assert windowed_qwen.max_position_embeddings == 4096 and windowed_qwen.sliding_window is None
+                                               "use_sliding_window": True, "max_window_layers": 1})
+    assert windowed_qwen.max_position_embeddings == 131072 and windowed_qwen.sliding_window == 4096
+    assert windowed_qwen.layer_window(0) is None and windowed_qwen.layer_window(1) == 4096
     mistral = model_config_from_hf_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
                                          "head_dim": 96})
     assert not mistral.attention_bias and mistral.head_dim == 96
