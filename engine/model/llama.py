@@ -83,7 +83,24 @@ def config_from_gguf(architecture: str, fields: GGUFFields) -> ModelConfig:
     freq_factors = fields.small_tensor(ROPE_FREQS)
     if freq_factors is not None:
         values["rope_freq_factors"] = tuple(float(f) for f in freq_factors)
+    if architecture != "qwen2":  # (a Qwen2 window is its upper layers', which a GGUF cannot say)
+        window = fields.optional("attention.sliding_window")
+        values["sliding_window"] = int(window) if window and window < values["max_position_embeddings"] else None
     return ModelConfig(**values)
+
+
+def gguf_window_note(fields: GGUFFields) -> str | None:
+    """What to tell a user loading a GGUF whose config.json had a window the GGUF does not carry:
+    llama.cpp's converter writes no `{arch}.attention.sliding_window` for its `llama` (Mistral
+    included) and `qwen2` architectures, and llama.cpp serves them with full attention."""
+    if fields.optional("attention.sliding_window"):
+        return None
+    name = " ".join(str(fields.general(k) or "") for k in ("general.name", "general.basename")).lower()
+    if fields.architecture == "llama" and "mistral" in name:
+        return (f"{fields.path}: this GGUF carries no sliding window (llama.cpp's converter writes none for "
+                "Mistral): it is served with full attention on every layer, as llama.cpp serves it. Mistral 7B "
+                "v0.1 was trained with a 4,096-token window: serve its Hugging Face folder to keep the window")
+    return None
 
 
 # ---------------------------------------------------------------------------- checkpoint layout

@@ -13,6 +13,7 @@ first, so a damaged or mismatched checkpoint fails with its tensor named, whatev
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager
 
 import torch
@@ -20,7 +21,8 @@ from torch import nn
 
 from kvserve.engine.model.checkpoint import Checkpoint
 from kvserve.engine.model.gguf_checkpoint import GGUFCheckpoint
-from kvserve.engine.model.gguf_metadata import read_gguf
+from kvserve.engine.model.gguf_metadata import GGUFFields, read_gguf
+from kvserve.engine.model.llama import gguf_window_note
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import CorruptModelError
 from kvserve.engine.model.model_family import ModelFamily, Split, WeightTarget
@@ -32,6 +34,8 @@ from kvserve.engine.model.renamed_checkpoint import RenamedCheckpoint
 from kvserve.engine.model.safetensors_checkpoint import SafetensorsCheckpoint
 from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
 
+logger = logging.getLogger(__name__)
+
 Slot = tuple[nn.Module, str]  # (module, parameter attribute)
 
 
@@ -42,6 +46,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         reader = read_gguf(source.path)
         config = model_config_from_gguf(reader, source.path)
         family = family_of(config)
+        note = gguf_window_note(GGUFFields(reader, source.path))
+        if note is not None and parallel.rank == 0:
+            logger.warning(note)
         checkpoint: AbstractContextManager[Checkpoint] = GGUFCheckpoint(reader, source.path, family, config)
     else:
         config = load_model_config(source.path)

@@ -3,6 +3,7 @@ names map onto our fused module, quantized tensors dequantize, and bad files fai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -53,8 +54,11 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": 
 
 
 def write_gguf(path: Path, weights: dict[str, np.ndarray], arch: str = "llama",
-               quantize: tuple[str, ...] = ()) -> None:
+               quantize: tuple[str, ...] = (), configure: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
+    """`configure(writer)` adds metadata of its own."""
     writer = gguf.GGUFWriter(path, arch)
+    if configure is not None:
+        configure(writer)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
