@@ -100,6 +100,20 @@ def profiled_op_seconds(events: Any) -> dict[str, float]:
     return seconds
 
 
+class _TimedSampler:
+    """The runner's sampler with its calls timed; its other attributes (the penalties' token
+    counts, which the runner updates) pass through."""
+
+    def __init__(self, sampler: Any, timed_call: Callable[..., Any]) -> None:
+        self._sampler, self._timed_call = sampler, timed_call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed_call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler, name)
+
+
 def instrument(llm: LLM) -> Timers:
     timers = Timers()
     engine = llm.engine
@@ -109,7 +123,7 @@ def instrument(llm: LLM) -> Timers:
     timers.hook(runner.model.lm_head, "lm_head")
     timers.hook(runner.model, "forward")
     runner.prepare_inputs = timers.wrap(runner.prepare_inputs, "input prep")
-    runner.sampler = timers.wrap(runner.sampler, "sampler")
+    runner.sampler = _TimedSampler(runner.sampler, timers.wrap(runner.sampler, "sampler"))
     engine.scheduler.schedule = timers.wrap(engine.scheduler.schedule, "scheduler+alloc")
     engine.scheduler.update_from_output = timers.wrap(engine.scheduler.update_from_output, "scheduler+alloc")
     engine.tracker.on_tokens = timers.wrap(engine.tracker.on_tokens, "detokenize/output")
@@ -118,11 +132,14 @@ def instrument(llm: LLM) -> Timers:
     return timers
 
 
-def profiled_steps(timers: Timers, steps: Callable[[], None]) -> dict[str, float]:
-    """Runs `steps` under torch.profiler; returns the raw timer sums, linear and attention added."""
+def profiled_steps(timers: Timers, steps: Callable[[], None], top_ops: int = 0) -> dict[str, float]:
+    """Runs `steps` under torch.profiler; returns the raw timer sums, linear and attention added.
+    top_ops > 0 also prints the profiler's table of that many ops with the most self time."""
     timers.seconds.clear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         steps()
+    if top_ops:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=top_ops), flush=True)
     return {**timers.seconds, **profiled_op_seconds(profiler.events())}
 
 
@@ -149,11 +166,11 @@ def run_until_decoding(llm: LLM, ids: list[str]) -> None:
         started |= {o.request_id for o in llm.engine.step() if o.outputs and o.outputs[0].token_ids}
 
 
-def profile_steps(llm: LLM, timers: Timers, steps: int) -> dict[str, float]:
+def profile_steps(llm: LLM, timers: Timers, steps: int, top_ops: int = 0) -> dict[str, float]:
     def run() -> None:
         for _ in range(steps):
             llm.engine.step()
-    return breakdown(profiled_steps(timers, run), steps)
+    return breakdown(profiled_steps(timers, run, top_ops), steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, help="int8 or int4 (default: none)")
     parser.add_argument("--out", type=Path, help="JSON file to write")
+    parser.add_argument("--top-ops", type=int, default=0,
+                        help="also print the N ops with the most self time of each decode row count")
+    parser.add_argument("--skip-mixed", action="store_true", help="decode steps only")
     args = parser.parse_args(argv)
     row_counts = [int(r) for r in args.rows.split(",")]
     max_rows = max(row_counts + [17])
@@ -186,11 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         for request_id in ids:
             llm.engine.add_request(request_id, _prompt(rng, args.prompt_len), params)
         run_until_decoding(llm, ids)
-        results[f"decode x{rows}"] = profile_steps(llm, timers, args.steps)
+        if args.top_ops:
+            print(f"decode x{rows}: the {args.top_ops} ops with the most self time over {args.steps} steps")
+        results[f"decode x{rows}"] = profile_steps(llm, timers, args.steps, args.top_ops)
         llm.engine.abort_request(ids)
         print(f"decode x{rows}: {results[f'decode x{rows}']['step total']:.1f} ms/step", flush=True)
 
-    ids = [f"m-{i}" for i in range(16)]
+    ids = [] if args.skip_mixed else [f"m-{i}" for i in range(16)]
     for request_id in ids:
         llm.engine.add_request(request_id, _prompt(rng, args.prompt_len), params)
     run_until_decoding(llm, ids)
@@ -199,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(3):  # each step: the 16 decodes (and earlier mixed requests) + one new prompt, whole
             llm.engine.add_request(f"p-{i}", _prompt(rng, args.mixed_prompt_len), params)
             llm.engine.step()
-    name = f"mixed 16 decode + {args.mixed_prompt_len} prefill"
-    results[name] = breakdown(profiled_steps(timers, mixed), 3)
-    print(f"{name}: {results[name]['step total']:.1f} ms/step", flush=True)
+    if not args.skip_mixed:
+        name = f"mixed 16 decode + {args.mixed_prompt_len} prefill"
+        results[name] = breakdown(profiled_steps(timers, mixed), 3)
+        print(f"{name}: {results[name]['step total']:.1f} ms/step", flush=True)
 
     columns = list(results)
     print("\nms per step (% of the step)")
