@@ -29,9 +29,16 @@ _LIBRARY = torch.library.Library("kvserve_linear", "DEF")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, SymInt out_features) -> Tensor")
 
 
+# The overload itself, looked up once: calling the packet (torch.ops.mkldnn._linear_pointwise)
+# resolves the overload from the arguments on every one of the 121 calls a step makes. (None in a
+# torch built without oneDNN, where nothing is packed and this op never runs.)
+_LINEAR_POINTWISE_PACKET = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+_LINEAR_POINTWISE = None if _LINEAR_POINTWISE_PACKET is None else _LINEAR_POINTWISE_PACKET.default
+
+
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                    out_features: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return _LINEAR_POINTWISE(x, packed_weight, bias, "none", [], "")
 
 
 def _fake_packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
