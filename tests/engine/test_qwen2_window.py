@@ -3,7 +3,8 @@ from max_window_layers on attend within the window, the others to everything): a
 Qwen2ForCausalLM (4 layers, the upper 2 in a 32-token window, GQA 4:2) gives transformers'
 float32 logits through the paged cache and its greedy tokens through the engine over prompts
 several windows long, with the batch as it comes and under chunked prefill with preemption; its
-window layers form their own cache group. Shipped Qwen2 configs (use_sliding_window false) are
+window layers form their own cache group. A windowed Qwen3 reads the same fields, to
+transformers' logits. Shipped Qwen2 configs (use_sliding_window false) are
 served as before, without a window."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from kvserve.engine import LLM, SamplingParams
 from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model.model_source import ModelSource
-from kvserve.engine.model.registry import model_config_from_hf_dict
+from kvserve.engine.model.registry import load_model_config, model_config_from_hf_dict
 from kvserve.kernels import TorchAttentionBackend
 from kvserve.paging import FullAttentionSpec, SlidingWindowSpec
 from tests.engine.conftest import PagedDriver, PagedSequence, transformers_greedy, transformers_logits
@@ -68,11 +69,8 @@ def references(reference):
     return transformers_greedy(reference, PROMPTS, MAX_NEW_TOKENS)
 
 
-def test_the_upper_layers_are_windowed_and_the_logits_match_transformers(qwen2_dir, reference):
-    config, model = load_model(ModelSource("hf", qwen2_dir), torch.float32, torch.device("cpu"))
-    assert [config.layer_window(i) for i in range(LAYERS)] == [None, None, WINDOW, WINDOW]
-    assert config.max_position_embeddings == 2048  # the whole context, not capped at the window
-    assert (config.kv_shape().sliding_window, config.kv_shape().num_window_layers) == (WINDOW, 2)
+def assert_logits_match(path, reference) -> None:
+    config, model = load_model(ModelSource("hf", path), torch.float32, torch.device("cpu"))
     driver = PagedDriver(model, config, TorchAttentionBackend(), num_blocks=96)
     seqs = [PagedSequence(list(p)) for p in PROMPTS[1:4]]
     ours = driver.step(seqs, [len(s.token_ids) for s in seqs])
@@ -83,6 +81,28 @@ def test_the_upper_layers_are_windowed_and_the_logits_match_transformers(qwen2_d
     for seq, logits in zip(seqs, ours):
         diff = (logits - transformers_logits(reference, seq.token_ids)).abs().max().item()
         assert diff <= TOLERANCE, f"max |logit diff| {diff:.2e} over {len(seq.token_ids)} tokens"
+
+
+def test_the_upper_layers_are_windowed_and_the_logits_match_transformers(qwen2_dir, reference):
+    config = load_model_config(qwen2_dir)
+    assert [config.layer_window(i) for i in range(LAYERS)] == [None, None, WINDOW, WINDOW]
+    assert config.max_position_embeddings == 2048  # the whole context, not capped at the window
+    assert (config.kv_shape().sliding_window, config.kv_shape().num_window_layers) == (WINDOW, 2)
+    assert_logits_match(qwen2_dir, reference)
+
+
+def test_a_windowed_qwen3_reads_the_same_fields_and_matches_transformers_logits(tmp_path):
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+        initializer_range=0.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(5)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    assert [load_model_config(tmp_path).layer_window(i) for i in range(2)] == [None, WINDOW]
+    assert_logits_match(tmp_path, _transformers(tmp_path))
 
 
 def test_engine_greedy_matches_transformers_and_the_window_matters(qwen2_dir, references):
@@ -99,6 +119,7 @@ def test_engine_greedy_matches_transformers_and_the_window_matters(qwen2_dir, re
     assert [r.token_ids for r in unwindowed] != [r.token_ids for r in references]
 
 
+@pytest.mark.slow
 def test_chunked_prefill_under_preemption_matches_transformers(qwen2_dir, references):
     llm = LLM(str(qwen2_dir), dtype="float32", enforce_eager=True, num_kv_blocks=24, max_num_batched_tokens=16,
               enable_prefix_caching=False, max_model_len=256)
