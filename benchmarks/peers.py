@@ -102,10 +102,18 @@ def vllm_environment(venv: Path, threads: int, base: Mapping[str, str] | None = 
     env.update({"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                 "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    preload = [p for p in TCMALLOC_CANDIDATES if Path(p).is_file()][:1]
-    preload += [str(p) for p in sorted(venv.glob("lib/libiomp5.so"))][:1]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+    return with_preloads(env, [*tcmalloc_library()[:1], *[str(p) for p in sorted(venv.glob("lib/libiomp5.so"))][:1]])
+
+
+def tcmalloc_library() -> list[str]:
+    """tcmalloc's library where this machine has it (none or one path)."""
+    return [p for p in TCMALLOC_CANDIDATES if Path(p).is_file()][:1]
+
+
+def with_preloads(env: dict[str, str], libraries: list[str]) -> dict[str, str]:
+    """`env` with `libraries` in front of its LD_PRELOAD (kept, after them)."""
+    if libraries:
+        env["LD_PRELOAD"] = ":".join(libraries + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
     return env
 
 

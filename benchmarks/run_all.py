@@ -47,7 +47,10 @@ from machine import machine_facts  # noqa: E402
 from peer_stages import (  # noqa: E402
     Server, offline_runs, offline_systems, online_runs, single_stream_dataset, single_stream_runs,
 )
-from peers import PeerSetupError, VllmInstall, ensure_hf_folder, ensure_llama_cpp, ensure_vllm, vllm_version  # noqa: E402
+from peers import (  # noqa: E402
+    PeerSetupError, VllmInstall, ensure_hf_folder, ensure_llama_cpp, ensure_vllm, tcmalloc_library, vllm_version,
+    with_preloads,
+)
 from report import COMPARISON_PNG, write_report  # noqa: E402
 from serving import (  # noqa: E402
     BenchRun, KvserveServerOptions, LlamaServerOptions, ServerProcess, ServerStartError, VllmServerOptions, bench_argv,
@@ -159,8 +162,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def thread_env(threads: int) -> dict[str, str]:
-    """The environment of every measured process: the same thread count for torch and llama.cpp alike."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    """The environment of every measured process: the same thread count for torch and llama.cpp
+    alike, and tcmalloc preloaded where the machine has it, as vLLM's runs have it (its documented
+    setting): measured, kvserve's W64 under glibc's malloc ran at 0.77-0.95x of itself with
+    tcmalloc (benchmarks/offline_ab.py), so without it the comparison was not like for like."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    return with_preloads(env, [lib for lib in tcmalloc_library() if lib not in env.get("LD_PRELOAD", "")])
 
 
 def clear_own_outputs(out_dir: Path) -> None:
