@@ -104,7 +104,10 @@ def main() -> int:
 
     name = f"kvserve-bench-{uuid.uuid4().hex[:8]}"
     image_port, host_port = free_port(), free_port()
-    container_args = kvserve_serve_argv(image_port, options)[2:]  # the image's entrypoint is `kvserve serve`
+    # The image's entrypoint is `kvserve serve`. Its log at info level carries the line that says
+    # whether the forward compiled and what inductor's cache served (the benchmarks' servers log
+    # warnings only; the later --log-level wins).
+    container_args = [*kvserve_serve_argv(image_port, options)[2:], "--log-level", "info"]
     try:
         started = time.monotonic()
         docker("run", "-d", "--name", name, "--network", "host", "-e", f"OMP_NUM_THREADS={args.threads}", args.image,
