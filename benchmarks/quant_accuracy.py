@@ -37,7 +37,8 @@ from dtype_cpu import BLOCK_SIZE, PASSAGE, Batch  # noqa: E402
 from fp8_kv_accuracy import PROMPTS  # noqa: E402
 from model_shapes import ALL_SHAPES, LM_HEAD  # noqa: E402
 
-from kvserve.engine import LLM, SamplingParams, engine_builder  # noqa: E402
+from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.worker import model_preparation  # noqa: E402
 from kvserve.engine.attention_metadata import build_flat_batch  # noqa: E402
 from kvserve.engine.compilation import symbolic_sizes  # noqa: E402
 from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model  # noqa: E402
@@ -50,9 +51,11 @@ class Variant:
     mode: str | None  # --quantization
     output_layer_mode: str | None = None  # None: the engine's choice (OUTPUT_LAYER_MODE)
     int4_group_size: int = GROUP_SIZE
+    kernel: str = "auto"  # quantize_model's
 
 
 VARIANTS = [Variant("bf16", None), Variant("int8", "int8"), Variant("int4", "int4"),
+            Variant("int4 on torch's int4/int8 ops (before the VNNI kernels)", "int4", kernel="torch"),
             Variant("int4 with an int4 lm_head (not chosen)", "int4", output_layer_mode="int4"),
             Variant("int4 in groups of 64 (not chosen)", "int4", int4_group_size=64)]
 SPEED_MODES = ("bf16", "int8", "int4")
@@ -74,8 +77,8 @@ def built_as(variant: Variant) -> Iterator[None]:
     """While an LLM is built, its quantization step uses the variant's settings (the engine's own
     path: converted before the weights are prepacked and the layers compiled)."""
     convert = functools.partial(quantize_model, output_layer_mode=variant.output_layer_mode,
-                                int4_group_size=variant.int4_group_size)
-    with mock.patch.object(engine_builder, "quantize_model", convert):
+                                int4_group_size=variant.int4_group_size, kernel=variant.kernel)
+    with mock.patch.object(model_preparation, "quantize_model", convert):
         yield
 
 

@@ -159,7 +159,7 @@ def build_library(cache_dir: Path, compiler: str | None = None, source: Path = S
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling the same thing: wait for it
         if library.exists():
             return BuildResult(library, compiled=False, seconds=time.perf_counter() - started)
-        logger.info("compiling the CPU attention kernel into %s (once per machine)", cache_dir)
+        logger.info("compiling the CPU kernel %s into %s (once per machine)", source.name, cache_dir)
         partial = library.with_suffix(f".{os.getpid()}.partial")
         result = subprocess.run(_command(compiler, partial, source), capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if result.returncode != 0:

@@ -1,10 +1,13 @@
-"""Int8Linear: int8 weights with one scale per output channel (symmetric), activations untouched.
+"""Int8Linear: int8 weights with one scale per output channel (symmetric).
 
-Which matmul runs depends on the row count, because the two candidates win in different places
+Which matmul runs depends on the row count, because the candidates win in different places
 (benchmarks/quant_variants.py, Sapphire Rapids, SmolLM2's shapes, interleaved in one process):
-- few rows (a single stream, a handful of decodes): torch's `_weight_int8pack_mm` reads half the
-  bytes of bf16 and is ~2x faster than bf16 `F.linear` at one row;
-- many rows: that op does not use AMX and falls to ~5x slower than bf16 at 64 rows, while casting
+- few rows (a single stream, a handful of decodes): a packed op. Where the CPU has AVX-512 VNNI
+  (kernel "vnni", kernels/cpu_quant_gemm.py), kvserve's own: activations quantized to int8 per
+  group of 32, integer products (benchmarks/quant_gemm.py: ~0.6x the time of torch's op at one
+  row); else ("torch") torch's `_weight_int8pack_mm`, which reads half the bytes of bf16 and is
+  ~2x faster than bf16 `F.linear` at one row, activations untouched;
+- many rows: those ops do not use AMX and fall to ~5x slower than bf16 at 64 rows, while casting
   the weight to the activation dtype and running the ordinary (AMX) matmul costs ~1.5-2x bf16.
 The branch is on the row count, a shape, so torch.compile guards on it rather than breaking.
 """
@@ -17,8 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels.cpu_quant_gemm import int8_gemm, int8_gemm_compatible, pack_int8, quant_gemm_available, unpack_int8
+
 # Up to this many rows the packed op is faster than cast + matmul (measured crossover: 12-16 rows).
 PACKED_MAX_ROWS = 16
+KERNELS = ("auto", "vnni", "torch")  # auto: vnni where it runs (this CPU, a build, a shape in 16s and 32s), else torch
 
 
 # Combines a row-parallel rank's per-channel maxima with its peers' (their elementwise maximum).
@@ -39,27 +45,52 @@ def quantize_int8(weight: torch.Tensor, reduce_max: ReduceMax | None = None) -> 
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`packed` None: `qweight` [N, K] and `scale` serve torch's op; else `packed` is the VNNI
+    kernel's layout (weights and their scales inside it), `qweight` is None, and `scale` serves
+    the many-row matmul."""
+
+    def __init__(self, qweight: torch.Tensor | None, scale: torch.Tensor, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None = None, shape: tuple[int, int] | None = None) -> None:
         super().__init__()
-        if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.shape != (qweight.shape[0],):
-            raise ValueError(f"need int8 [N, K] weights and [N] scales, got {qweight.dtype} "
-                             f"{tuple(qweight.shape)} and {tuple(scale.shape)}")
-        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        if packed is None and (qweight is None or qweight.dtype != torch.int8 or qweight.dim() != 2
+                               or scale.shape != (qweight.shape[0],)):
+            raise ValueError(f"need int8 [N, K] weights and [N] scales, got "
+                             f"{None if qweight is None else (qweight.dtype, tuple(qweight.shape))} and "
+                             f"{tuple(scale.shape)}")
+        if packed is not None and (shape is None or scale.shape != (shape[0],)):
+            raise ValueError("packed int8 weights need their [N, K] shape and [N] scales")
+        self.out_features, self.in_features = shape if packed is not None else qweight.shape
+        self.vnni = packed is not None
         self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale)  # in the activation dtype: the op requires it
+        self.register_buffer("scale", scale)  # in the activation dtype: torch's op requires it
+        self.register_buffer("packed", packed)
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, reduce_max: ReduceMax | None = None) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, reduce_max: ReduceMax | None = None, kernel: str = "auto") -> "Int8Linear":
+        if kernel not in KERNELS:
+            raise ValueError(f"int8 kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        shape = (linear.out_features, linear.in_features)
+        fits = int8_gemm_compatible(*shape) and linear.weight.device.type == "cpu"
+        if kernel == "vnni" and not (fits and quant_gemm_available()):
+            raise ValueError(f"the int8 VNNI kernel cannot run a {shape[0]} x {shape[1]} layer on "
+                             f"{linear.weight.device} here (N % 16, K % 32 on a CPU with AVX-512 VNNI and a C++ compiler)")
         dtype = linear.weight.dtype
         q, scale = quantize_int8(linear.weight, reduce_max)
         bias = None if linear.bias is None else linear.bias.detach().clone()
+        if kernel == "vnni" or (kernel == "auto" and fits and quant_gemm_available()):
+            return cls(None, scale.to(dtype), bias, packed=pack_int8(q, scale), shape=shape)
         return cls(q, scale.to(dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= PACKED_MAX_ROWS:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
+            if self.vnni:
+                out = int8_gemm(rows, self.packed)
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
+        elif self.vnni:
+            out = F.linear(rows, unpack_int8(self.packed).to(rows.dtype)) * self.scale
         else:
             out = F.linear(rows, self.qweight.to(rows.dtype)) * self.scale
         if self.bias is not None:
@@ -67,4 +98,5 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={'vnni' if self.vnni else 'torch'}")

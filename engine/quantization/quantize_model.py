@@ -48,24 +48,25 @@ class QuantizationSummary:
     bytes_after: int
 
 
-def _int8(linear: nn.Linear, group_size: int, parent: nn.Module) -> nn.Module | None:
-    return Int8Linear.from_linear(linear, parent.reduce_max if isinstance(parent, RowParallelLinear) else None)
+def _int8(linear: nn.Linear, group_size: int, kernel: str, parent: nn.Module) -> nn.Module | None:
+    return Int8Linear.from_linear(linear, parent.reduce_max if isinstance(parent, RowParallelLinear) else None, kernel)
 
 
-def _int4(linear: nn.Linear, group_size: int, parent: nn.Module) -> nn.Module | None:
+def _int4(linear: nn.Linear, group_size: int, kernel: str, parent: nn.Module) -> nn.Module | None:
     if not int4_compatible(linear.out_features, linear.in_features, group_size):
         return None
-    return Int4Linear.from_linear(linear, group_size)
+    return Int4Linear.from_linear(linear, group_size, kernel)
 
 
-_CONVERTERS: dict[str, Callable[[nn.Linear, int, nn.Module], nn.Module | None]] = {"int8": _int8, "int4": _int4}
+_CONVERTERS: dict[str, Callable[[nn.Linear, int, str, nn.Module], nn.Module | None]] = {"int8": _int8, "int4": _int4}
 
 
 def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None = None,
-                   int4_group_size: int = GROUP_SIZE) -> QuantizationSummary:
+                   int4_group_size: int = GROUP_SIZE, kernel: str = "auto") -> QuantizationSummary:
     """Converts every nn.Linear of `model` to `mode`, and the output layer `lm_head` to
     `output_layer_mode` (default: OUTPUT_LAYER_MODE[mode]); int4 layers get groups of
-    `int4_group_size` along K. Returns what was converted."""
+    `int4_group_size` along K; every layer gets the few-row matmul `kernel` ("auto": kvserve's
+    VNNI kernels where they run, else torch's ops; "vnni"; "torch"). Returns what was converted."""
     if mode not in _CONVERTERS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     head_mode = output_layer_mode or OUTPUT_LAYER_MODE[mode]
@@ -78,7 +79,8 @@ def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None
                for parent_name, parent in model.named_modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for full_name, parent, name, linear in targets:
-        replacement = _CONVERTERS[head_mode if full_name in OUTPUT_LAYER_NAMES else mode](linear, int4_group_size, parent)
+        convert = _CONVERTERS[head_mode if full_name in OUTPUT_LAYER_NAMES else mode]
+        replacement = convert(linear, int4_group_size, kernel, parent)
         if replacement is None:
             kept.append(full_name)
             continue

@@ -15,6 +15,7 @@ from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model
 from kvserve.engine.quantization.int4_linear import quantize_int4
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS, quantize_int8
 from kvserve.kernels import TorchAttentionBackend
+from kvserve.kernels.cpu_quant_gemm import quant_gemm_available
 
 # Both sides of Int8Linear's row-count switch, and a 3-D input.
 ROW_SHAPES = [(1,), (PACKED_MAX_ROWS,), (PACKED_MAX_ROWS + 1,), (2, 40)]
@@ -39,29 +40,67 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROW_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_matches_its_dequantized_weights(dtype, rows, bias) -> None:
+@pytest.mark.parametrize("kernel", ["torch", "vnni"])
+def test_int8_linear_matches_its_dequantized_weights(dtype, rows, bias, kernel) -> None:
+    if kernel == "vnni" and not quant_gemm_available():
+        pytest.skip("no AVX-512 VNNI or no C++ compiler here")
     linear = _linear(96, 64, dtype, bias)
     q, scale = quantize_int8(linear.weight)
     reference = (q.float() * scale[:, None]).to(dtype)
     x = torch.randn(*rows, 64).to(dtype)
-    out = Int8Linear.from_linear(linear)(x)
+    out = Int8Linear.from_linear(linear, kernel=kernel)(x)
     assert out.shape == (*rows, 96) and out.dtype == dtype
-    _close(out, F.linear(x.float(), reference.float(), None if linear.bias is None else linear.bias.float()), dtype)
+    expected = F.linear(x.float(), reference.float(), None if linear.bias is None else linear.bias.float())
+    if kernel == "vnni" and x.numel() // 64 <= PACKED_MAX_ROWS:  # int8 activations: ~0.5% of the output's scale
+        assert (out.float() - expected).abs().max() <= 0.02 * expected.abs().max()
+    else:
+        _close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROW_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_matches_its_dequantized_weights(dtype, rows, bias) -> None:
+@pytest.mark.parametrize("kernel", ["torch", "vnni"])
+def test_int4_linear_matches_its_dequantized_weights(dtype, rows, bias, kernel) -> None:
+    if kernel == "vnni" and not quant_gemm_available():
+        pytest.skip("no AVX-512 VNNI or no C++ compiler here")
     linear = _linear(96, 64, dtype, bias)
     q, scale, zero = quantize_int4(linear.weight)
     # Dequantize with scales and zeros rounded to the stored dtype, as the kernel sees them.
-    scale, zero = scale.to(dtype).float(), zero.to(dtype).float()
+    stored = torch.float16 if kernel == "vnni" else dtype
+    scale, zero = scale.to(stored).float(), (zero - 8 * scale).to(stored).float() + 8 * scale.to(stored).float()
     reference = ((q.float() - 8).reshape(96, -1, 32) * scale[..., None] + zero[..., None]).reshape(96, 64)
     x = torch.randn(*rows, 64).to(dtype)
-    out = Int4Linear.from_linear(linear)(x)
+    module = Int4Linear.from_linear(linear, kernel=kernel)
+    assert module.vnni == (kernel == "vnni")
+    out = module(x)
     assert out.shape == (*rows, 96) and out.dtype == dtype
-    _close(out, F.linear(x.float(), reference, None if linear.bias is None else linear.bias.float()), dtype)
+    expected = F.linear(x.float(), reference, None if linear.bias is None else linear.bias.float())
+    if kernel == "vnni":  # activations rounded to int8 per group of 32: ~0.5% of the output's scale
+        assert (out.float() - expected).abs().max() <= 0.02 * expected.abs().max()
+    else:
+        _close(out, expected, dtype)
+
+
+def test_int4_kernel_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="int4 kernel must be one of auto, vnni, torch"):
+        Int4Linear.from_linear(_linear(96, 64, torch.float32, False), kernel="amx")
+    with pytest.raises(ValueError, match="VNNI kernel cannot run"):  # groups of 64: torch's op only
+        Int4Linear.from_linear(_linear(96, 64, torch.float32, False), 64, kernel="vnni")
+    assert not Int4Linear.from_linear(_linear(96, 64, torch.float32, False), 64).vnni
+
+
+@pytest.mark.parametrize("rows", [1, PACKED_MAX_ROWS + 1])
+def test_int8_linear_on_the_vnni_kernel_matches_torch_s(rows) -> None:
+    if not quant_gemm_available():
+        pytest.skip("no AVX-512 VNNI or no C++ compiler here")
+    linear = _linear(96, 64, torch.bfloat16, True)
+    vnni, plain = Int8Linear.from_linear(linear, kernel="vnni"), Int8Linear.from_linear(linear, kernel="torch")
+    assert vnni.vnni and not plain.vnni and vnni.qweight is None
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    expected = plain(x).float()
+    # Few rows: int8 activations per group of 32 (~0.5% of the output's scale); many: the same matmul.
+    assert (vnni(x).float() - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
 def test_quantization_error_is_within_half_a_step() -> None:
