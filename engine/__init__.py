@@ -10,8 +10,8 @@ sizing) are re-exported here too, so the server never imports `kvserve.scheduler
 
 from kvserve.engine.admission import AdmissionError, PromptTooLongError
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
-from kvserve.engine.config import (DEFAULT_MODEL, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, ConfigError,
-                                   EngineConfig)
+from kvserve.engine.config import (DEFAULT_MODEL, KV_CACHE_DTYPES, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS,
+                                   ConfigError, EngineConfig)
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.model.model_config import ModelConfig
@@ -38,6 +38,7 @@ __all__ = [
     "EngineConfig",
     "ConfigError",
     "DEFAULT_MODEL",
+    "KV_CACHE_DTYPES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_QUANTIZATIONS",
     "RequestOutput",

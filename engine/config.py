@@ -10,6 +10,8 @@ from kvserve.paging import SUPPORTED_BLOCK_SIZES
 from kvserve.scheduler import SchedulingPolicy
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: the model's dtype; fp8: e4m3 with per-tensor scales; int8: a scale per token and KV head.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_QUANTIZATIONS = ("int8", "int4")  # weight-only, CPU (engine/quantization)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -29,7 +31,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, the faster measured choice on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | triton
-    kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: auto (= dtype) | fp8 | int8
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128
@@ -64,8 +66,9 @@ class EngineConfig:
             raise ConfigError("--block-size", f"block size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("--attention-backend", f"attention backend must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ConfigError("--kv-cache-dtype", f"kv cache dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("--kv-cache-dtype", f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                                  f"got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATIONS:
             raise ConfigError("--quantization", f"quantization must be one of {', '.join(SUPPORTED_QUANTIZATIONS)}, "
                                                 f"got {self.quantization!r}")

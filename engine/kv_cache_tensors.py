@@ -6,6 +6,10 @@
         latent (MLA)     one latent [num_blocks, 1, block_size, kv_lora_rank + rope_dim], read
                          as keys (all of it) and values (its first kv_lora_rank values): a single
                          shared KV head whose key and value widths differ
+        int8             K, V as above, and after each part's rows their float32 scales, viewed
+                         as their bytes [num_blocks, kv_heads, block_size, 4] int8 (a compiled
+                         forward cannot mutate a float32 view of int8 storage; the kernels read
+                         the bytes as floats: kernels/kv_quant.row_scales)
 
 Block id b's page in a slot belongs to whichever group holds block b, so groups share the pool.
 A part smaller than its plane's page views the first part of each page (or its offset in a
@@ -32,9 +36,18 @@ def layer_cache(spec: KVCacheSpec, parts: list[torch.Tensor], block_size: int) -
         latent = latent.view(num_blocks, 1, block_size, spec.latent_size)
         # The values are the latents' first kv_lora_rank values: a view, not a second copy.
         return latent, latent[..., : spec.kv_lora_rank]
-    key, value = parts
     shape = (num_blocks, spec.num_kv_heads, block_size, spec.head_size)
-    return key.view(shape), value.view(shape)
+    if not spec.row_scale_bytes:
+        key, value = parts
+        return key.view(shape), value.view(shape)
+    # int8: each part is the rows (one byte per value), then one float32 scale per row.
+    rows = spec.num_kv_heads * block_size * spec.head_size
+    caches = [part[:, :rows].view(shape) for part in parts]
+    scales = [part[:, rows:].view(*shape[:3], spec.row_scale_bytes) for part in parts]
+    if any(s.data_ptr() % 4 or s.stride(0) % 4 for s in scales):  # the kernels read them as floats
+        raise ValueError(f"an int8 cache of {spec.num_kv_heads} heads x {block_size} tokens x {spec.head_size} dims "
+                         "does not leave its scales 4-byte aligned")
+    return caches[0], caches[1], scales[0], scales[1]
 
 
 @dataclass(frozen=True)

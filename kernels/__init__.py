@@ -15,13 +15,14 @@ from kvserve.kernels.backends import (
 )
 from kvserve.kernels.kv_quant import FP8_E4M3_MAX, fp8_scale_for
 from kvserve.kernels.torch_attention import paged_attention, write_kv_cache
-from kvserve.kernels.validation import FP8_KV_DTYPE, KernelInputError
+from kvserve.kernels.validation import FP8_KV_DTYPE, INT8_KV_DTYPE, KernelInputError
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "FP8_E4M3_MAX",
     "FP8_KV_DTYPE",
+    "INT8_KV_DTYPE",
     "KVCache",
     "KernelInputError",
     "TorchAttentionBackend",

@@ -21,14 +21,25 @@ import torch
 from kvserve.kernels import custom_ops
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.cpu_attention import cpu_kernel_available, cpu_kernel_supports
-from kvserve.kernels.kv_quant import check_scale
+from kvserve.kernels.kv_quant import check_scale, row_scales
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 # (key_cache, value_cache): [num_blocks, Hkv, block_size, D]; a latent (MLA) layer's value cache
 # is a view of its key cache's first kv_lora_rank values (one shared head, key width != value width).
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# An int8 layer's is (key_cache, value_cache, key_scales, value_scales), the scales
+# [num_blocks, Hkv, block_size] float32, or their bytes [..., 4] int8 as the engine's pages hold
+# them (kv_quant.row_scales): the kernels read either.
+KVCache = tuple[torch.Tensor, ...]
+
+
+def unpack_cache(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(key_cache, value_cache, key_scales, value_scales); the scales None but for int8 caches."""
+    if len(kv_cache) == 4:
+        return kv_cache  # type: ignore[return-value]
+    key_cache, value_cache = kv_cache
+    return key_cache, value_cache, None, None
 
 
 class AttentionBackend(Protocol):
@@ -65,7 +76,8 @@ class TorchAttentionBackend:
     that a one-row decode step pays 60 times. The kernel still bounds-checks every shape, block
     id, slot and length it reads.
 
-    `k_scale` / `v_scale`: an fp8 cache's static quantisation scales (None: an unscaled cache)."""
+    `k_scale` / `v_scale`: an fp8 cache's static quantisation scales (None: an unscaled cache;
+    an int8 cache brings its per-row scales in the KVCache)."""
 
     validate: bool = True
     k_scale: float | None = None
@@ -82,25 +94,28 @@ class TorchAttentionBackend:
         return metadata  # the C++ kernel splits its work per call, in microseconds
 
     def write_kv_cache(self, key, value, kv_cache, metadata) -> None:
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache, key_scales, value_scales = unpack_cache(kv_cache)
         if self.native and key.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
             torch.ops.kvserve_cpu.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping,
-                                                 check_scale("k_scale", self.k_scale), check_scale("v_scale", self.v_scale))
+                                                 check_scale("k_scale", self.k_scale), check_scale("v_scale", self.v_scale),
+                                                 key_scales, value_scales)
             return
         custom_ops.torch_write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale,
-                                        self.v_scale, self.validate)
+                                        self.v_scale, key_scales, value_scales, self.validate)
 
     def paged_attention(self, query, kv_cache, metadata, scale, soft_cap=0.0) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache, key_scales, value_scales = unpack_cache(kv_cache)
         m = metadata
         if self.native and query.device.type == "cpu" and cpu_kernel_supports(key_cache.shape[-1], value_cache.shape[-1]):
             # k_scale multiplies every score, v_scale every output: folded in, the cache is never touched.
             return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, m.block_tables, m.seq_lens,
                                                          m.query_start_loc, scale * check_scale("k_scale", self.k_scale),
-                                                         check_scale("v_scale", self.v_scale), m.sliding_window, soft_cap)
+                                                         check_scale("v_scale", self.v_scale), m.sliding_window, soft_cap,
+                                                         key_scales, value_scales)
         return custom_ops.torch_paged_attention(
             query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
-            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, soft_cap, self.validate,
+            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, soft_cap,
+            key_scales, value_scales, self.validate,
         )
 
 
@@ -126,12 +141,12 @@ class TritonAttentionBackend:
         return dataclasses.replace(metadata, prepared=StepLaunches())
 
     def write_kv_cache(self, key, value, kv_cache, metadata) -> None:
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache, key_scales, value_scales = unpack_cache(kv_cache)
         custom_ops.triton_write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale,
-                                         self.v_scale, self.debug)
+                                         self.v_scale, key_scales, value_scales, self.debug)
 
     def paged_attention(self, query, kv_cache, metadata, scale, soft_cap=0.0) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache, key_scales, value_scales = unpack_cache(kv_cache)
         m = metadata
         if m.prepared is not None and not torch.compiler.is_compiling():
             # Eager: the kernel's Python entry point directly, with the step's launches. (A
@@ -142,11 +157,13 @@ class TritonAttentionBackend:
                 query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
                 max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, num_decodes=m.num_decodes,
                 k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=m.sliding_window, soft_cap=soft_cap,
-                check_block_tables=self.debug, launches=m.prepared,
+                key_scales=row_scales(key_scales), value_scales=row_scales(value_scales), check_block_tables=self.debug,
+                launches=m.prepared,
             )
         return custom_ops.triton_paged_attention(
             query, key_cache, value_cache, m.block_tables, m.seq_lens, m.query_start_loc, scale,
-            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, soft_cap, self.debug,
+            m.max_query_len, m.max_seq_len, m.num_decodes, self.k_scale, self.v_scale, m.sliding_window, soft_cap,
+            key_scales, value_scales, self.debug,
         )
 
 

@@ -64,14 +64,16 @@ def cpu_paged_attention(
     out_scale: float,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The contract of torch_attention.paged_attention with the scales already folded:
     `score_scale` = scale * k_scale multiplies every score, `out_scale` = v_scale every output;
     `sliding_window` w > 0: position p sees keys p - w + 1 .. p only; `soft_cap` c > 0: each
-    scaled score s becomes c * tanh(s / c).
-    Only call after `cpu_kernel_available()` returned True."""
+    scaled score s becomes c * tanh(s / c); an int8 cache's per-row scales in `key_scales` /
+    `value_scales`. Only call after `cpu_kernel_available()` returned True."""
     return torch.ops.kvserve_cpu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale,
-                                                 sliding_window, soft_cap)
+                                                 sliding_window, soft_cap, key_scales, value_scales)
 
 
 def cpu_write_kv_cache(
@@ -82,7 +84,10 @@ def cpu_write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: float,
     v_scale: float,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """The contract of torch_attention.write_kv_cache (scales already checked). Only call after
     `cpu_kernel_available()` returned True."""
-    torch.ops.kvserve_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    torch.ops.kvserve_cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, key_scales,
+                                         value_scales)

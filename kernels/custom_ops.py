@@ -12,49 +12,57 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels import torch_attention
+from kvserve.kernels.kv_quant import row_scales
 
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,
 # on import. Library.define/impl rather than @custom_op: the latter's per-call checks cost ~20 us,
 # and a forward makes two calls per layer.
 _LIBRARY = torch.library.Library("kvserve", "FRAGMENT")
-_WRITE_ARGS = "Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, float? k_scale, float? v_scale"
+_WRITE_ARGS = ("Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, float? k_scale, "
+               "float? v_scale, Tensor(c!)? key_scales, Tensor(d!)? value_scales")
 _ATTENTION_ARGS = ("Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
                    "Tensor query_start_loc, float scale, SymInt? max_query_len, SymInt? max_seq_len, "
-                   "SymInt? num_decodes, float? k_scale, float? v_scale, SymInt sliding_window, float soft_cap")
+                   "SymInt? num_decodes, float? k_scale, float? v_scale, SymInt sliding_window, float soft_cap, "
+                   "Tensor? key_scales, Tensor? value_scales")
 
 
-def _torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, validate) -> None:
+def _torch_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, key_scales, value_scales,
+                          validate) -> None:
     torch_attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                                   validate=validate)
+                                   key_scales=row_scales(key_scales), value_scales=row_scales(value_scales), validate=validate)
 
 
-def _triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, check_slots) -> None:
+def _triton_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, key_scales, value_scales,
+                           check_slots) -> None:
     # Imported here so that machines without triton can still use the torch ops.
     from kvserve.kernels.triton_kv_write import triton_write_kv_cache as write
 
-    write(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, check_slots=check_slots)
+    write(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, key_scales=row_scales(key_scales),
+          value_scales=row_scales(value_scales), check_slots=check_slots)
 
 
 def _torch_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                            max_query_len, max_seq_len, num_decodes, k_scale, v_scale, sliding_window, soft_cap,
-                           validate) -> torch.Tensor:
+                           key_scales, value_scales, validate) -> torch.Tensor:
     return torch_attention.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes, k_scale=k_scale,
-        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, validate=validate,
+        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, key_scales=row_scales(key_scales),
+        value_scales=row_scales(value_scales), validate=validate,
     )
 
 
 def _triton_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                            max_query_len, max_seq_len, num_decodes, k_scale, v_scale, sliding_window, soft_cap,
-                           check_block_tables) -> torch.Tensor:
+                           key_scales, value_scales, check_block_tables) -> torch.Tensor:
     from kvserve.kernels.triton_attention import triton_paged_attention as attend
 
     return attend(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=num_decodes, k_scale=k_scale,
-        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, check_block_tables=check_block_tables,
+        v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap, key_scales=row_scales(key_scales),
+        value_scales=row_scales(value_scales), check_block_tables=check_block_tables,
     )
 
 

@@ -10,6 +10,9 @@ Keys and values may differ in width: latent attention (MLA, DeepSeek-V2/V3) read
 head whose keys are 576-dim latent+rope vectors and whose values are their first 512 values, a
 view of the same memory (`values_alias_keys`); such a cache is written once (the keys) and
 gathered once. The output has the values' width.
+An int8 cache comes with per-(token, KV head) float32 scales, `key_scales` / `value_scales`
+[num_blocks, num_kv_heads, block_size] (kv_quant.py): written with each token, read back as
+`stored * scale`.
 A token at position p of a request lives in physical block block_table[p // block_size], row
 p % block_size; its "slot" is block_id * block_size + p % block_size. Within one block and one
 KV head the block_size x head_dim tile is contiguous, so a GPU program that owns a KV head reads
@@ -31,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.cpu_attention import cpu_kernel_available, cpu_kernel_supports, cpu_paged_attention, cpu_write_kv_cache
-from kvserve.kernels.kv_quant import check_scale, quantize_for_cache
+from kvserve.kernels.kv_quant import check_int8_scales, check_scale, quantize_for_cache, quantize_rows_int8
 from kvserve.kernels.validation import (
     check_attention_shapes,
     check_attention_values,
@@ -53,27 +56,32 @@ def write_kv_cache(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    key_scales: torch.Tensor | None = None,  # int8 caches: [num_blocks, num_kv_heads, block_size] float32
+    value_scales: torch.Tensor | None = None,
     validate: bool = True,
 ) -> None:
-    """Scatter this step's K/V rows into their slots, quantising for an fp8 cache. `validate=False`
-    skips the Python checks where the C++ kernel runs (it checks what it reads, before writing)
-    and the slot range check elsewhere (an out-of-range slot still fails in torch's indexing)."""
+    """Scatter this step's K/V rows into their slots, quantising for an fp8 or int8 cache (an
+    int8 cache's rows write their scales too). `validate=False` skips the Python checks where
+    the C++ kernel runs (it checks what it reads, before writing) and the slot range check
+    elsewhere (an out-of-range slot still fails in torch's indexing)."""
     k_scale_value, v_scale_value = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_int8_scales(key_cache.dtype, k_scale_value, v_scale_value)
     on_kernel = key.device.type == "cpu" and key.shape[-1] == value.shape[-1] and cpu_kernel_available()
     if validate or not on_kernel:
-        check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+        check_write_shapes(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
     if validate:
         check_write_values(slot_mapping, key_cache)
     if on_kernel:
         try:
-            cpu_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale_value, v_scale_value)
+            cpu_write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale_value, v_scale_value,
+                               key_scales, value_scales)
         except ValueError:
             # The kernel found bad input; the Python checks say what is wrong in kvserve's words.
-            check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+            check_write_shapes(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
             check_write_values(slot_mapping, key_cache)
             raise
         return
-    _torch_write(key, value, key_cache, value_cache, slot_mapping, k_scale_value, v_scale_value)
+    _torch_write(key, value, key_cache, value_cache, slot_mapping, k_scale_value, v_scale_value, key_scales, value_scales)
 
 
 def torch_write_kv_cache(
@@ -85,18 +93,27 @@ def torch_write_kv_cache(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """`write_kv_cache` in plain torch on any device, always validated: the oracle."""
-    check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+    check_write_shapes(key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales)
     check_write_values(slot_mapping, key_cache)
-    _torch_write(key, value, key_cache, value_cache, slot_mapping, check_scale("k_scale", k_scale), check_scale("v_scale", v_scale))
+    k_scale_value, v_scale_value = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_int8_scales(key_cache.dtype, k_scale_value, v_scale_value)
+    _torch_write(key, value, key_cache, value_cache, slot_mapping, k_scale_value, v_scale_value, key_scales, value_scales)
 
 
-def _torch_write(key, value, key_cache, value_cache, slot_mapping, k_scale: float, v_scale: float) -> None:
+def _torch_write(key, value, key_cache, value_cache, slot_mapping, k_scale: float, v_scale: float,
+                 key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block_size = key_cache.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
+    if key_scales is not None:  # int8: each row with its own scale
+        for rows, cache, scales in ((key[valid], key_cache, key_scales), (value[valid], value_cache, value_scales)):
+            cache[blocks, :, offsets], scales[blocks, :, offsets] = quantize_rows_int8(rows)
+        return
     key_cache[blocks, :, offsets] = quantize_for_cache(key[valid], key_cache.dtype, k_scale)
     if not values_alias_keys(key_cache, value_cache):  # a latent's values were written with it
         value_cache[blocks, :, offsets] = quantize_for_cache(value[valid], value_cache.dtype, v_scale)
@@ -118,6 +135,8 @@ def paged_attention(
     num_decodes: int | None = None,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Each request's queries are the last q_len positions of its seq_len-token context and
@@ -140,25 +159,29 @@ def paged_attention(
     on_kernel = (query.device.type == "cpu" and query.dim() == 3 and cpu_kernel_supports(key_cache.shape[-1], value_cache.shape[-1])
                  and cpu_kernel_available())
     if validate or not on_kernel:
-        check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+        check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes,
+                               key_scales, value_scales)
     else:  # the kernel does not read num_decodes, so it cannot refuse a wrong one
         check_num_decodes(num_decodes, seq_lens.shape[0], query.shape[0])
     if validate:
         check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
     # k_scale multiplies every score, v_scale every output row: fold them in, never touch the cache.
-    score_scale = scale * check_scale("k_scale", k_scale)
-    out_scale = check_scale("v_scale", v_scale)
+    k_scale_value, out_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_int8_scales(key_cache.dtype, k_scale_value, out_scale)
+    score_scale = scale * k_scale_value
     if on_kernel:
         try:
             return cpu_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale,
-                                       out_scale, sliding_window, soft_cap)
+                                       out_scale, sliding_window, soft_cap, key_scales, value_scales)
         except ValueError:
             # The kernel checked what it read and refused; the Python checks say what is wrong in kvserve's words.
-            check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+            check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes,
+                                   key_scales, value_scales)
             check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
             raise
     return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, score_scale, out_scale,
-                            max_query_len, max_seq_len, num_decodes, sliding_window, soft_cap)
+                            max_query_len, max_seq_len, num_decodes, sliding_window, soft_cap,
+                            _row_scales(key_scales, value_scales))
 
 
 def torch_paged_attention(
@@ -177,13 +200,18 @@ def torch_paged_attention(
     num_decodes: int | None = None,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` in plain torch on any device, always validated: the oracle."""
-    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+    check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes,
+                           key_scales, value_scales)
     check_attention_values(query, key_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+    k_scale_value, v_scale_value = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_int8_scales(key_cache.dtype, k_scale_value, v_scale_value)
     return _torch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                            scale * check_scale("k_scale", k_scale), check_scale("v_scale", v_scale),
-                            max_query_len, max_seq_len, num_decodes, sliding_window, soft_cap)
+                            scale * k_scale_value, v_scale_value, max_query_len, max_seq_len, num_decodes, sliding_window,
+                            soft_cap, _row_scales(key_scales, value_scales))
 
 
 def check_soft_cap(soft_cap: float) -> float:
@@ -195,6 +223,13 @@ def check_soft_cap(soft_cap: float) -> float:
 def cap_scores_(scores: torch.Tensor, soft_cap: float) -> torch.Tensor:
     """scores <- soft_cap * tanh(scores / soft_cap), in place (0: unchanged)."""
     return scores.div_(soft_cap).tanh_().mul_(soft_cap) if soft_cap else scores
+
+
+RowScales = tuple[torch.Tensor, torch.Tensor] | None  # an int8 cache's (key_scales, value_scales)
+
+
+def _row_scales(key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> RowScales:
+    return None if key_scales is None else (key_scales, value_scales)
 
 
 def _torch_attention(
@@ -211,6 +246,7 @@ def _torch_attention(
     num_decodes: int | None,
     window: int = 0,
     soft_cap: float = 0.0,
+    row_scales: RowScales = None,
 ) -> torch.Tensor:
     if window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {window}")
@@ -221,7 +257,8 @@ def _torch_attention(
         return out
     if max_query_len == 1 or num_decodes == num_seqs:  # a pure decode step: no need to read the offsets
         decode_seqs = torch.arange(num_seqs, device=query.device)
-        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len, window, soft_cap)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, query_start_loc[:-1], score_scale, out_scale, max_seq_len, window, soft_cap,
+                      row_scales)
         return out
 
     if num_decodes is None:  # find the decodes among the requests
@@ -236,13 +273,15 @@ def _torch_attention(
         chunks = list(range(num_decodes, num_seqs))
         decode_seqs = decode_rows = torch.arange(num_decodes, device=query.device)
     if decode_seqs.numel():
-        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, decode_rows, score_scale, out_scale, None, window, soft_cap)
+        _decode_batch(out, query, key_cache, value_cache, block_tables, seq_lens, decode_seqs, decode_rows, score_scale, out_scale, None, window, soft_cap,
+                      row_scales)
     lens = seq_lens.tolist() if chunks else []
     for i in chunks:
         if starts[i + 1] == starts[i]:
             continue  # a request with no tokens this step
         out[starts[i] : starts[i + 1]] = _chunk_attention(
-            query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale, window, soft_cap
+            query[starts[i] : starts[i + 1]], key_cache, value_cache, block_tables[i], lens[i], score_scale, out_scale, window, soft_cap,
+            row_scales,
         )
     return out
 
@@ -266,8 +305,13 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.d
 
 
 def _gather_keys_and_values(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
-                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both gathered; a latent cache once, its values a slice of the gathered keys."""
+                            dtype: torch.dtype, row_scales: RowScales = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gathered; a latent cache once, its values a slice of the gathered keys; an int8
+    cache's rows times their scales (gathered through the same block ids)."""
+    if row_scales is not None:
+        return tuple(  # type: ignore[return-value]
+            (_gather_context(cache, block_ids, torch.float32) * _gather_context(scales.unsqueeze(-1), block_ids, torch.float32)).to(dtype)
+            for cache, scales in ((key_cache, row_scales[0]), (value_cache, row_scales[1])))
     keys = _gather_context(key_cache, block_ids, dtype)
     if values_alias_keys(key_cache, value_cache):
         return keys, keys[..., : value_cache.shape[-1]]
@@ -288,6 +332,7 @@ def _decode_batch(
     max_seq_len: int | None,
     window: int = 0,
     soft_cap: float = 0.0,
+    row_scales: RowScales = None,
 ) -> None:
     num_kv_heads = key_cache.shape[1]
     longest = int(seq_lens[seqs].max()) if max_seq_len is None else max_seq_len
@@ -307,7 +352,7 @@ def _decode_batch(
     for index, first in enumerate(range(0, seqs.shape[0], slice_size)):
         last = first + slice_size
         _decode_slice(out, query, key_cache, value_cache, block_tables, lens[first:last], seqs[first:last],
-                      rows[first:last], score_scale, out_scale, int(slice_longest[index]), window, soft_cap)
+                      rows[first:last], score_scale, out_scale, int(slice_longest[index]), window, soft_cap, row_scales)
 
 
 def _decode_slice(
@@ -324,6 +369,7 @@ def _decode_slice(
     longest: int,
     window: int = 0,
     soft_cap: float = 0.0,
+    row_scales: RowScales = None,
 ) -> None:
     num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     num_heads = query.shape[1]
@@ -339,7 +385,7 @@ def _decode_slice(
     in_use = logical < ((lens + block_size - 1) // block_size).unsqueeze(1)
     tables = block_tables[seqs].long().gather(1, logical.clamp(max=block_tables.shape[1] - 1))
     tables = torch.where(in_use, tables, torch.zeros_like(tables))
-    k, v = _gather_keys_and_values(key_cache, value_cache, tables, query.dtype)  # [kv_heads, n, L, D (Dv)]
+    k, v = _gather_keys_and_values(key_cache, value_cache, tables, query.dtype, row_scales)  # [kv_heads, n, L, D (Dv)]
     q = query[rows].view(-1, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, n, group, D]
     key_positions = (first * block_size).unsqueeze(1) + torch.arange(k.shape[2], device=query.device)  # [n, L]
     hidden = key_positions >= lens.unsqueeze(1)  # padding
@@ -366,6 +412,7 @@ def _chunk_attention(
     out_scale: float,
     window: int = 0,
     soft_cap: float = 0.0,
+    row_scales: RowScales = None,
 ) -> torch.Tensor:
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -375,7 +422,7 @@ def _chunk_attention(
     first_block = max(0, seq_len - q_len - window + 1) // block_size if window else 0
     base = first_block * block_size  # the first gathered key's position
     blocks = block_table[first_block: (seq_len + block_size - 1) // block_size]
-    k, v = _gather_keys_and_values(key_cache, value_cache, blocks, q.dtype)
+    k, v = _gather_keys_and_values(key_cache, value_cache, blocks, q.dtype, row_scales)
     k, v = k[:, :seq_len - base], v[:, :seq_len - base]  # [kv_heads, seq_len - base, D (Dv)]
     # Fold each KV head's group of query heads into its rows: row g * q_len + t is head g, token t.
     q_rows = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)

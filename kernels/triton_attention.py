@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvserve.kernels.kv_quant import check_scale
+from kvserve.kernels.kv_quant import check_int8_scales, check_scale
 from kvserve.kernels.triton_attention_kernels import merge_splits_kernel, paged_attention_kernel
 from kvserve.kernels.validation import KernelInputError, check_attention_shapes, check_attention_values
 
@@ -117,6 +117,8 @@ def triton_paged_attention(
     num_decodes: int | None = None,
     sliding_window: int = 0,
     soft_cap: float = 0.0,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     group_block: int | None = None,
     check_block_tables: bool = False,
@@ -136,7 +138,8 @@ def triton_paged_attention(
     key = StepLaunches.key(query, key_cache, value_cache) if launches is not None else None
     launch = launches.get(key) if launches is not None else None
     if launch is None:
-        check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes)
+        check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_decodes,
+                               key_scales, value_scales)
         if query.stride(-1) != 1:
             raise KernelInputError("query must be contiguous in head_dim (the last dimension); call .contiguous() first")
         if value_cache.shape[3] > key_cache.shape[3]:
@@ -153,12 +156,13 @@ def triton_paged_attention(
     _, num_kv_heads, block_size, _ = key_cache.shape
     if num_tokens == 0:
         return out
-    score_scale = scale * check_scale("k_scale", k_scale)
+    k_scale_value, out_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    check_int8_scales(key_cache.dtype, k_scale_value, out_scale)
+    score_scale = scale * k_scale_value
     if not soft_cap >= 0:
         raise KernelInputError(f"soft_cap must be >= 0 (0: no soft-capping), got {soft_cap}")
     # Capped scores are capped in natural units, then taken to log2 units.
     score_scale_log2 = score_scale if soft_cap else score_scale * LOG2_E
-    out_scale = check_scale("v_scale", v_scale)
     group = num_heads // num_kv_heads
     on_gpu = query.device.type == "cuda"
     value_pad = triton.next_power_of_2(value_dim)
@@ -184,14 +188,19 @@ def triton_paged_attention(
     # GPU fp32 inputs ask for IEEE products (TF32 would cost ~3 decimal digits).
     dot_fp32 = not on_gpu or query.dtype == torch.float32
 
+    row_scales = key_scales is not None
+    if not row_scales:  # never read without ROW_SCALES; any tensor fills the arguments
+        key_scales = value_scales = partial_lse
+
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads * plan.head_blocks, plan.num_splits)
     paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        out, partial_out, partial_lse,
+        out, partial_out, partial_lse, key_scales, value_scales,
         score_scale_log2, out_scale, num_seqs, plan.kv_split_len, sliding_window, float(soft_cap),
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key_scales.stride(0), key_scales.stride(1), value_scales.stride(0), value_scales.stride(1),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -201,7 +210,7 @@ def triton_paged_attention(
         TAIL_DIM=tail_dim, TAIL_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(max(tail_dim, 1))),
         BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, TILE=plan.tile,
         NUM_SPLITS=plan.num_splits, DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
-        SOFT_CAP=soft_cap > 0,
+        SOFT_CAP=soft_cap > 0, ROW_SCALES=row_scales,
     )
     if plan.num_splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](

@@ -25,7 +25,9 @@ One launch covers the whole batch. The grid is (query tiles, KV heads, KV splits
 K/V tiles are gathered through the block table per position, so TILE need not equal the block
 size (tl.dot wants >= 16 on a GPU; blocks may be 8). Softmax runs online in base 2 with the
 scale (and the fp8 k_scale) folded into one multiplier; a soft cap c (Gemma 2) turns each scaled
-score s into c * tanh(s / c) first.
+score s into c * tanh(s / c) first. An int8 cache (ROW_SCALES) is read with its per-row scales: a
+key's scale multiplies its score column (before the cap), a value's its weight column of P (after
+the row sums, before P.V), so the int8 tiles go to tl.dot as they are, converted only.
 
 Keys may be wider than values (latent attention: 576-dim keys = the 512 latent values + a 64-dim
 rope key). A key is read as two power-of-2 tiles, its first V_DIM dims and the TAIL_DIM past
@@ -67,11 +69,12 @@ def _soft_cap(scores, cap):
 @triton.jit
 def paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, key_scales_ptr, value_scales_ptr,
     score_scale_log2, out_scale, num_seqs, kv_split_len, sliding_window, soft_cap,
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
+    stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     stride_bt,
     stride_ot, stride_oh,
     stride_ps, stride_pt, stride_ph,
@@ -80,6 +83,7 @@ def paged_attention_kernel(
     V_DIM: tl.constexpr, V_DIM_PAD: tl.constexpr, TAIL_DIM: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_BLOCK
     tile_index = tl.program_id(0)
@@ -141,6 +145,9 @@ def paged_attention_kernel(
         if TAIL_DIM > 0:
             k_tail = tl.load(k_rows + V_DIM + tail[None, :], mask=pos_valid[:, None] & tail_valid[None, :], other=0.0)
             scores += tl.dot(q_tail, tl.trans(k_tail.to(q.dtype)), input_precision=DOT_PRECISION)
+        if ROW_SCALES:  # int8: each key's scale multiplies its score
+            k_row_scales = tl.load(key_scales_ptr + physical * stride_ksb + kv_head * stride_ksh + offsets, mask=pos_valid, other=0.0)
+            scores = scores * k_row_scales[None, :]
         scores = scores * score_scale_log2  # log2 units (natural ones with a soft cap: the launcher leaves LOG2_E out)
         if SOFT_CAP:
             scores = _soft_cap(scores, soft_cap) * 1.4426950408889634  # log2(e)
@@ -157,6 +164,9 @@ def paged_attention_kernel(
         v_offsets = physical[:, None] * stride_vb + kv_head * stride_vh + offsets[:, None] * stride_vs + dims[None, :]
         v = tl.load(value_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
         v = v.to(q.dtype)
+        if ROW_SCALES:  # int8: each value's scale multiplies its weight (the row sums above are unscaled)
+            v_row_scales = tl.load(value_scales_ptr + physical * stride_vsb + kv_head * stride_vsh + offsets, mask=pos_valid, other=0.0)
+            p = p * v_row_scales[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

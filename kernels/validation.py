@@ -16,6 +16,9 @@ import torch
 # e4m3 "fn" (finite, no inf) is the KV-quantisation format of vLLM/TensorRT-LLM: 3 mantissa bits
 # keep more precision than e5m2, and K/V activations never need e5m2's range once scaled.
 FP8_KV_DTYPE = torch.float8_e4m3fn
+# int8 caches keep a float32 scale per token and KV head beside the blocks (kv_quant.py).
+INT8_KV_DTYPE = torch.int8
+QUANTIZED_KV_DTYPES = (FP8_KV_DTYPE, INT8_KV_DTYPE)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -35,9 +38,25 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
     _require(key_cache.dim() == 4 and value_cache.dim() == 4, f"key_cache and value_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got shapes {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     _require(key_cache.shape[:3] == value_cache.shape[:3], f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must have the same shape but for head_dim")
     _require(key_cache.dtype == value_cache.dtype, f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) must have the same dtype")
-    _require(key_cache.dtype in FLOAT_DTYPES + (FP8_KV_DTYPE,), f"KV cache dtype must be float32, float16, bfloat16 or float8_e4m3fn, got {key_cache.dtype}")
+    _require(key_cache.dtype in FLOAT_DTYPES + QUANTIZED_KV_DTYPES, f"KV cache dtype must be float32, float16, bfloat16, float8_e4m3fn or int8, got {key_cache.dtype}")
     _require(key_cache.device == value_cache.device, f"key_cache is on {key_cache.device} but value_cache on {value_cache.device}")
     _require(key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "KV caches must be contiguous in head_dim (the last dimension)")
+
+
+def check_row_scales(key_cache: torch.Tensor, value_cache: torch.Tensor, key_scales: torch.Tensor | None,
+                     value_scales: torch.Tensor | None) -> None:
+    """An int8 cache comes with its per-(token, KV head) scales, [num_blocks, num_kv_heads,
+    block_size] float32 each (the cache's shape without head_dim); other caches come without."""
+    if key_cache.dtype != INT8_KV_DTYPE:
+        _require(key_scales is None and value_scales is None, f"per-token scales belong to int8 caches only, not to a {key_cache.dtype} cache")
+        return
+    _require(not values_alias_keys(key_cache, value_cache), "latent (MLA) caches cannot be int8: use a float or fp8 cache")
+    _require(key_scales is not None and value_scales is not None, "an int8 KV cache needs key_scales and value_scales (a float32 scale per token and KV head)")
+    for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
+        _require(tuple(scales.shape) == tuple(key_cache.shape[:3]), f"{name} must be [num_blocks, num_kv_heads, block_size] = {tuple(key_cache.shape[:3])}, got {tuple(scales.shape)}")
+        _require(scales.dtype == torch.float32, f"{name} must be float32, got {scales.dtype}")
+        _require(scales.device == key_cache.device, f"{name} is on {scales.device} but the KV cache is on {key_cache.device}")
+        _require(scales.stride(-1) == 1, f"{name} must be contiguous in block_size (the last dimension)")
 
 
 def values_alias_keys(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -55,9 +74,11 @@ def _check_index_tensor(name: str, tensor: torch.Tensor, dims: int, device: torc
 
 
 def check_write_shapes(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
 ) -> None:
     check_cache_pair(key_cache, value_cache)
+    check_row_scales(key_cache, value_cache, key_scales, value_scales)
     _, num_kv_heads, _, head_dim = key_cache.shape
     _require(key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2], f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [num_tokens, num_kv_heads, head_dim]")
     _require(tuple(key.shape[1:]) == (num_kv_heads, head_dim), f"key rows are {tuple(key.shape[1:])} (kv_heads, head_dim) but the cache holds ({num_kv_heads}, {head_dim})")
@@ -85,14 +106,17 @@ def check_attention_shapes(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     num_decodes: int | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     check_cache_pair(key_cache, value_cache)
+    check_row_scales(key_cache, value_cache, key_scales, value_scales)
     _, num_kv_heads, _, head_dim = key_cache.shape
     _require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
     _require(query.dtype in FLOAT_DTYPES, f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
     _require(query.shape[2] == head_dim, f"query head_dim {query.shape[2]} differs from the key cache's {head_dim}")
     _require(query.shape[1] % num_kv_heads == 0, f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads (GQA needs a whole group per KV head)")
-    _require(key_cache.dtype in (query.dtype, FP8_KV_DTYPE), f"KV cache dtype {key_cache.dtype} must equal the query dtype {query.dtype} or be float8_e4m3fn")
+    _require(key_cache.dtype in (query.dtype, *QUANTIZED_KV_DTYPES), f"KV cache dtype {key_cache.dtype} must equal the query dtype {query.dtype} or be float8_e4m3fn or int8")
     _require(query.device == key_cache.device, f"query is on {query.device} but the KV cache is on {key_cache.device}")
     _check_index_tensor("block_tables", block_tables, 2, key_cache.device)
     _check_index_tensor("seq_lens", seq_lens, 1, key_cache.device)

@@ -22,6 +22,10 @@ planes (K pages in one tensor, V pages in another: each part's blocks stay evenl
 as close as the page allows, the kernels' fastest layout); when the kinds differ (K/V layers
 beside latent ones), a slot is one plane and a page holds its parts side by side.
 
+An int8 cache keeps a float32 scale per token and KV head beside its values (ROW_SCALE_BYTES):
+each K or V part of a page is that layer's rows, then their scales, so every block operation
+(allocation, copy-on-write, prefix sharing, window groups) moves the scales with the rows.
+
 Pure Python (no torch): the engine maps `dtype` names to tensor types.
 """
 
@@ -32,6 +36,11 @@ from dataclasses import dataclass
 
 from kvserve.paging.block_allocator import validate_block_size
 from kvserve.paging.errors import KVCacheTooSmallError
+
+
+# Cache dtypes whose rows are quantised one (token, KV head) row at a time, and the bytes of each
+# row's scale (kernels/kv_quant.py): stored in the page after the rows they scale.
+ROW_SCALE_BYTES = {"int8": 4}
 
 
 @dataclass(frozen=True)
@@ -51,16 +60,21 @@ class FullAttentionSpec:
                 raise ValueError(f"{type(self).__name__}.{name} must be at least 1, got {getattr(self, name)}")
 
     @property
+    def row_scale_bytes(self) -> int:
+        """Bytes of one row's scale (an int8 cache's float32), 0 for caches without."""
+        return ROW_SCALE_BYTES.get(self.dtype, 0)
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_size * self.dtype_bytes
+        """K and V of one token in one layer (with their scales, in an int8 cache)."""
+        return 2 * self.num_kv_heads * (self.head_size * self.dtype_bytes + self.row_scale_bytes)
 
     def page_bytes(self, block_size: int) -> int:
         """One layer's share of one block."""
         return self.bytes_per_token * block_size
 
     def page_parts(self, block_size: int) -> tuple[int, ...]:
-        """The page's parts in bytes, in order: the keys, then the values."""
+        """The page's parts in bytes, in order: the keys, then the values (each with its rows' scales)."""
         half = self.page_bytes(block_size) // 2
         return half, half
 

@@ -14,7 +14,9 @@ Latent attention (MLA: DeepSeek-V2/V3) keeps one vector per token and layer inst
 against 2 x heads x head_dim per layer for the MHA cache of the same model (its keys are
 qk_nope + qk_rope wide, its values v_head_dim).
 Everything here counts bytes: a KV element's size comes in as `dtype_bytes` (the engine passes
-its torch dtype's itemsize; `kvserve kv-size` maps its --kv-dtype names). Shapes come from the
+its torch dtype's itemsize; `kvserve kv-size` maps its --kv-dtype names), with the dtype's name
+where its rows carry scales (`dtype="int8"`: 4 more bytes per token, KV head and K or V:
+kv_cache_spec.ROW_SCALE_BYTES). Shapes come from the
 presets below, or from a checkpoint's metadata, which the engine reads
 (kvserve.engine.model.model_shape) with the same code that builds its ModelConfig.
 """
@@ -92,31 +94,32 @@ class ModelShape:
         """The same model with every layer global (what the windows save against)."""
         return replace(self, sliding_window=None, num_window_layers=0)
 
-    def bytes_per_token(self, dtype_bytes: int) -> int:
+    def bytes_per_token(self, dtype_bytes: int, *, dtype: str = "") -> int:
         """K and V for every layer: 2 * L * n_kv_heads * head_dim * dtype_bytes (the layers' specs,
-        as the engine plans its cache from them)."""
+        as the engine plans its cache from them; an int8 cache's scales included)."""
         if dtype_bytes < 1:
             raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
-        return sum(spec.bytes_per_token for spec in self.layer_specs(dtype_bytes))
+        return sum(spec.bytes_per_token for spec in self.layer_specs(dtype_bytes, dtype))
 
-    def kv_cache_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
+    def kv_cache_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1, *, dtype: str = "") -> int:
         """The KV a context of `num_tokens` keeps: every token in the global layers, the last
         `sliding_window` of them in the window layers."""
-        return self.global_bytes(dtype_bytes, num_tokens, batch) + self.window_bytes(dtype_bytes, num_tokens, batch)
+        return (self.global_bytes(dtype_bytes, num_tokens, batch, dtype=dtype)
+                + self.window_bytes(dtype_bytes, num_tokens, batch, dtype=dtype))
 
-    def global_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
-        return self.layer_bytes_per_token(dtype_bytes) * self.num_global_layers * num_tokens * batch
+    def global_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1, *, dtype: str = "") -> int:
+        return self.layer_bytes_per_token(dtype_bytes, dtype=dtype) * self.num_global_layers * num_tokens * batch
 
-    def window_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1) -> int:
+    def window_bytes(self, dtype_bytes: int, num_tokens: int, batch: int = 1, *, dtype: str = "") -> int:
         kept = min(num_tokens, self.sliding_window or 0)
-        return self.layer_bytes_per_token(dtype_bytes) * self.num_window_layers * kept * batch
+        return self.layer_bytes_per_token(dtype_bytes, dtype=dtype) * self.num_window_layers * kept * batch
 
-    def layer_bytes_per_token(self, dtype_bytes: int) -> int:
+    def layer_bytes_per_token(self, dtype_bytes: int, *, dtype: str = "") -> int:
         """One layer's K and V of one token."""
-        return self.bytes_per_token(dtype_bytes) // self.num_layers
+        return self.bytes_per_token(dtype_bytes, dtype=dtype) // self.num_layers
 
-    def bytes_per_block(self, dtype_bytes: int, block_size: int = 16) -> int:
-        return self.bytes_per_token(dtype_bytes) * block_size
+    def bytes_per_block(self, dtype_bytes: int, block_size: int = 16, *, dtype: str = "") -> int:
+        return self.bytes_per_token(dtype_bytes, dtype=dtype) * block_size
 
     def layer_specs(self, dtype_bytes: int, dtype: str = "") -> list[KVCacheSpec]:
         """The KV cache spec of every layer, as the engine plans the cache from them (the window
@@ -165,19 +168,21 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def num_blocks_for_memory(memory_bytes: int, shape: ModelShape, dtype_bytes: int, block_size: int = 16) -> int:
+def num_blocks_for_memory(memory_bytes: int, shape: ModelShape, dtype_bytes: int, block_size: int = 16, *,
+                          dtype: str = "") -> int:
     """Whole blocks that fit in `memory_bytes` (K and V of every layer), as the engine plans them."""
     if memory_bytes < 0:
         raise ValueError(f"memory must be >= 0 bytes, got {memory_bytes}")
     validate_block_size(block_size)
-    return memory_bytes // bytes_per_block(group_layers(shape.layer_specs(dtype_bytes)), block_size)
+    return memory_bytes // bytes_per_block(group_layers(shape.layer_specs(dtype_bytes, dtype)), block_size)
 
 
-def blocks_per_decoding_request(shape: ModelShape, dtype_bytes: int, num_tokens: int, block_size: int = 16) -> int:
+def blocks_per_decoding_request(shape: ModelShape, dtype_bytes: int, num_tokens: int, block_size: int = 16, *,
+                                dtype: str = "") -> int:
     """Blocks a request of `num_tokens` tokens holds between decode steps, as the engine's layer
     groups hold them: all of its blocks per global group, ceil((w - 1) / block_size) + 1 per
     window group."""
-    specs = [group.spec for group in group_layers(shape.layer_specs(dtype_bytes))]
+    specs = [group.spec for group in group_layers(shape.layer_specs(dtype_bytes, dtype))]
     return blocks_per_request(specs, num_tokens, block_size, 1)
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from kvserve.engine import (
-    DEFAULT_MODEL, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, ConfigError, EngineConfig,
+    DEFAULT_MODEL, KV_CACHE_DTYPES, SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, ConfigError, EngineConfig,
     ModelNotFoundError, check_tensor_parallel, load_model_config, parse_memory_size, resolve_model,
 )
 from kvserve.server import kv_size_command
@@ -131,8 +131,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                            help="KV-cache blocks to allocate (overrides --kv-cache-memory)"),
         cache.add_argument("--kv-cache-memory", type=_byte_size, default=None, metavar="SIZE",
                            help="memory for the KV cache, e.g. 4GiB, 512MB or bytes (default: sized from free memory)"),
-        cache.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=defaults.kv_cache_dtype,
-                           help="KV-cache element type; auto follows --dtype"),
+        cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
+                           help="KV-cache element type; auto follows --dtype, fp8 is e4m3 with per-tensor scales, "
+                                "int8 has a scale per token and KV head"),
         cache.add_argument("--enable-prefix-caching", action=flag, default=defaults.enable_prefix_caching,
                            help="reuse the KV blocks of shared prompt prefixes"),
         http.add_argument("--host", default=server.host, help="address to bind (0.0.0.0 for all interfaces)"),

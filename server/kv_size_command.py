@@ -19,8 +19,10 @@ from kvserve.engine import (
     parse_memory_size, resolve_model_shape,
 )
 
-# --kv-dtype name -> bytes per element.
+# --kv-dtype name -> bytes per element, and the cache dtype as the engine names it (int8's rows
+# carry a float32 scale each: 4 bytes per token, KV head and K or V, counted by the layer specs).
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+KV_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "int8": "int8"}
 GB, GIB = 10**9, 2**30
 
 
@@ -29,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "kv-size",
         help="print the KV cache size of a model at given context lengths",
         description="KV bytes per token = 2 * layers * kv_heads * head_dim * dtype bytes (latent attention: layers * "
-        "(kv_lora_rank + qk_rope_head_dim) * dtype bytes). Prints the cache size per context length and batch, the "
+        "(kv_lora_rank + qk_rope_head_dim) * dtype bytes; int8 adds a 4-byte scale per token, KV head and K or V). Prints the cache size per context length and batch, the "
         "GQA/MQA/MLA saving against MHA, and with --memory how many blocks and requests fit.",
     )
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(MODEL_SHAPE_PRESETS)}) "
@@ -47,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"kvserve kv-size: {error}", file=sys.stderr)
         return 2
+    if args.kv_dtype == "int8" and shape.attention_kind == "MLA":
+        print("kvserve kv-size: an int8 KV cache is not supported for latent attention (MLA) models; use fp8 or fp16",
+              file=sys.stderr)
+        return 2
     print(kv_size_report(shape, args.tokens, args.kv_dtype, args.batch, args.memory, args.block_size))
     return 0
 
@@ -59,30 +65,30 @@ def kv_size_report(
     memory_bytes: int | None = None,
     block_size: int = 16,
 ) -> str:
-    dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
-    per_token = shape.bytes_per_token(dtype_bytes)
+    dtype_bytes, dtype = KV_DTYPE_BYTES[kv_dtype], KV_DTYPE_NAMES[kv_dtype]
+    per_token = shape.bytes_per_token(dtype_bytes, dtype=dtype)
     mha = shape.as_mha()
     saves = shape.attention_kind != "MHA"
     lines = [
         _shape_line(shape),
         _attention_line(shape),
         f"KV per token ({kv_dtype}): {per_token:,} bytes = {per_token / 2**10:,.1f} KiB"
-        + (f"   (as MHA: {mha.bytes_per_token(dtype_bytes):,} bytes = {mha.bytes_per_token(dtype_bytes) / 2**10:,.1f} KiB)" if saves else ""),
+        + (f"   (as MHA: {mha.bytes_per_token(dtype_bytes, dtype=dtype):,} bytes = {mha.bytes_per_token(dtype_bytes, dtype=dtype) / 2**10:,.1f} KiB)" if saves else ""),
         "",
     ]
     if shape.num_window_layers:
         lines[-1:-1] = [_layers_line(shape)]
-        lines += _window_table(shape, tokens, dtype_bytes, batch)
+        lines += _window_table(shape, tokens, dtype_bytes, dtype, batch)
         if memory_bytes is not None:
             lines += ["", *_memory_lines(shape, tokens, kv_dtype, memory_bytes, block_size)]
         return "\n".join(lines)
     header = f"{'tokens':>10} {'batch':>6} {'KV (GB)':>12} {'KV (GiB)':>12}"
     lines.append(header + (f" {'as MHA (GB)':>12}" if saves else ""))
     for num_tokens in tokens:
-        size = shape.kv_cache_bytes(dtype_bytes, num_tokens, batch)
+        size = shape.kv_cache_bytes(dtype_bytes, num_tokens, batch, dtype=dtype)
         row = f"{num_tokens:>10,} {batch:>6} {size / GB:>12,.2f} {size / GIB:>12,.2f}"
         if saves:
-            row += f" {mha.kv_cache_bytes(dtype_bytes, num_tokens, batch) / GB:>12,.2f}"
+            row += f" {mha.kv_cache_bytes(dtype_bytes, num_tokens, batch, dtype=dtype) / GB:>12,.2f}"
         lines.append(row)
     if memory_bytes is not None:
         lines += ["", *_memory_lines(shape, tokens, kv_dtype, memory_bytes, block_size)]
@@ -94,16 +100,16 @@ def _layers_line(shape: ModelShape) -> str:
             f"(the last {shape.sliding_window:,} tokens each)")
 
 
-def _window_table(shape: ModelShape, tokens: Sequence[int], dtype_bytes: int, batch: int) -> list[str]:
+def _window_table(shape: ModelShape, tokens: Sequence[int], dtype_bytes: int, dtype: str, batch: int) -> list[str]:
     """Per context length: the global and window layers' KV apart, their sum, and what the same
     layers would keep as global ones."""
     lines = [f"{'tokens':>10} {'batch':>6} {'global (GB)':>12} {'window (GB)':>12} {'KV (GB)':>12} {'KV (GiB)':>12} "
              f"{'all global (GB)':>16} {'share':>7}"]
     for num_tokens in tokens:
-        total = shape.kv_cache_bytes(dtype_bytes, num_tokens, batch)
-        unwindowed = shape.as_global().kv_cache_bytes(dtype_bytes, num_tokens, batch)
-        lines.append(f"{num_tokens:>10,} {batch:>6} {shape.global_bytes(dtype_bytes, num_tokens, batch) / GB:>12,.2f} "
-                     f"{shape.window_bytes(dtype_bytes, num_tokens, batch) / GB:>12,.2f} {total / GB:>12,.2f} "
+        total = shape.kv_cache_bytes(dtype_bytes, num_tokens, batch, dtype=dtype)
+        unwindowed = shape.as_global().kv_cache_bytes(dtype_bytes, num_tokens, batch, dtype=dtype)
+        lines.append(f"{num_tokens:>10,} {batch:>6} {shape.global_bytes(dtype_bytes, num_tokens, batch, dtype=dtype) / GB:>12,.2f} "
+                     f"{shape.window_bytes(dtype_bytes, num_tokens, batch, dtype=dtype) / GB:>12,.2f} {total / GB:>12,.2f} "
                      f"{total / GIB:>12,.2f} {unwindowed / GB:>16,.2f} {total / unwindowed:>7.1%}")
     return lines
 
@@ -130,14 +136,15 @@ def _attention_line(shape: ModelShape) -> str:
 
 
 def _memory_lines(shape: ModelShape, tokens: Sequence[int], kv_dtype: str, memory_bytes: int, block_size: int) -> list[str]:
-    num_blocks = num_blocks_for_memory(memory_bytes, shape, KV_DTYPE_BYTES[kv_dtype], block_size)
-    block_bytes = shape.bytes_per_block(KV_DTYPE_BYTES[kv_dtype], block_size)
+    dtype_bytes, dtype = KV_DTYPE_BYTES[kv_dtype], KV_DTYPE_NAMES[kv_dtype]
+    num_blocks = num_blocks_for_memory(memory_bytes, shape, dtype_bytes, block_size, dtype=dtype)
+    block_bytes = shape.bytes_per_block(dtype_bytes, block_size, dtype=dtype)
     lines = [
         f"memory {memory_bytes / GB:,.2f} GB ({memory_bytes / GIB:,.2f} GiB): {num_blocks:,} blocks of {block_size} tokens "
         f"({block_bytes / 10**6:,.3f} MB each) = {num_blocks * block_size:,} tokens",
     ]
     for num_tokens in tokens:
-        blocks_per_request = blocks_per_decoding_request(shape, KV_DTYPE_BYTES[kv_dtype], num_tokens, block_size)
+        blocks_per_request = blocks_per_decoding_request(shape, dtype_bytes, num_tokens, block_size, dtype=dtype)
         lines.append(f"  requests of {num_tokens:,} tokens that fit at once: {num_blocks // blocks_per_request:,}"
                      + (f" ({blocks_per_request:,} blocks each while decoding: a window layer group holds "
                         f"ceil(({shape.sliding_window:,} - 1) / {block_size}) + 1)" if shape.num_window_layers else ""))

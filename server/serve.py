@@ -183,7 +183,7 @@ def loaded_metrics_info(engine: AsyncEngine) -> dict[str, str]:
     return {
         "model": config.model,
         "dtype": dtype,
-        "kv_dtype": "fp8" if config.kv_cache_dtype == "fp8" else dtype,
+        "kv_dtype": dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         "block_size": str(engine.block_size),
         "num_blocks": str(engine.num_kv_blocks),
         "max_model_len": str(engine.max_model_len),

@@ -20,12 +20,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from kvserve.engine.config import EngineConfig
+from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.kv_memory import default_kv_cache_bytes
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.model.tensor_parallel import TensorParallel
 from kvserve.engine.parallel.process_group import reduce_int
-from kvserve.paging import KVCacheConfig, KVCacheSpec, group_layers, plan_kv_cache_config
+from kvserve.kernels import INT8_KV_DTYPE
+from kvserve.paging import KVCacheConfig, KVCacheSpec, MLAAttentionSpec, group_layers, plan_kv_cache_config
 from kvserve.paging.kv_cache_spec import blocks_per_request, bytes_per_block
 
 
@@ -57,8 +58,13 @@ def plan_rank_kv_cache(config: EngineConfig, layer_specs: Sequence[KVCacheSpec],
 
 def layer_kv_specs(model: CausalLM, kv_dtype: torch.dtype) -> list[KVCacheSpec]:
     """One spec per layer of `model` in a cache of `kv_dtype`; a tensor-parallel rank's model
-    gives its own share of the KV heads."""
-    return model.kv_cache_specs(str(kv_dtype).removeprefix("torch."), kv_dtype.itemsize)
+    gives its own share of the KV heads. Latent (MLA) layers refuse int8: their one latent per
+    token has no per-head rows to scale."""
+    specs = model.kv_cache_specs(str(kv_dtype).removeprefix("torch."), kv_dtype.itemsize)
+    if kv_dtype == INT8_KV_DTYPE and any(isinstance(spec, MLAAttentionSpec) for spec in specs):
+        raise ConfigError("--kv-cache-dtype", "--kv-cache-dtype int8 is not supported for latent attention (MLA) models "
+                                              "such as DeepSeek-V2/V3; use --kv-cache-dtype auto or fp8")
+    return specs
 
 
 def kv_cache_config_for(model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> KVCacheConfig:

@@ -26,7 +26,7 @@ from kvserve.engine.parallel.process_group import join_group, leave_group, on_ev
 from kvserve.engine.structured_output.token_mask import TokenMask
 from kvserve.engine.worker.kv_cache_sizing import layer_kv_specs, plan_rank_kv_cache
 from kvserve.engine.worker.model_preparation import prepack, quantize
-from kvserve.kernels import FP8_KV_DTYPE, AttentionBackend, select_attention_backend
+from kvserve.kernels import FP8_KV_DTYPE, INT8_KV_DTYPE, AttentionBackend, select_attention_backend
 from kvserve.paging import KVCacheConfig
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -50,7 +50,8 @@ class WorkerSpec:
 
 
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
-    return FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else dtype
+    """--kv-cache-dtype as a tensor type (int8 caches also get their scales: kv_cache_tensors.py)."""
+    return {"fp8": FP8_KV_DTYPE, "int8": INT8_KV_DTYPE}.get(config.kv_cache_dtype, dtype)
 
 
 # An fp8 (e4m3) cache's static per-tensor scales, 1.0 as in vLLM without calibration: SmolLM2's

@@ -26,6 +26,10 @@
 // keys before its own window start in the chunks it reads. A soft cap c > 0 (Gemma 2) turns each
 // scaled score s into c * tanh(s / c) before the softmax, in both routes below.
 //
+// int8 caches carry a float32 scale per (token, KV head) beside the blocks: a key's scale multiplies
+// its score (after the dot product), a value's its softmax weight (after the row sum, before P.V);
+// tiles that convert a chunk to fp32 once multiply the scales in as they convert.
+//
 // bf16 caches on CPUs with AMX take another route for tiles of <= 16 rows (decodes included): the
 // two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
 
@@ -54,6 +58,7 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -79,6 +84,8 @@ typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef _Float16 F16x16 __attribute__((vector_size(32)));
 #endif
 typedef uint8_t U8x16 __attribute__((vector_size(16)));
+typedef int8_t I8x16 __attribute__((vector_size(16)));
+typedef int16_t I16x16 __attribute__((vector_size(32)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 
 // ---- loading 16 elements as fp32 ---------------------------------------------------------------
@@ -135,6 +142,24 @@ inline Vec load16(const c10::Float8_e4m3fn* src) {
   const Vec unsigned_value = magnitude < 8 ? subnormal : normal;
   const Vec value = (Vec)((U32x16)unsigned_value | ((wide & 0x80) << 24));
   return magnitude == 0x7f ? Vec{} + std::numeric_limits<float>::quiet_NaN() : value;
+}
+
+inline Vec load16(const int8_t* src) {
+#ifdef __AVX512F__
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#else
+  I8x16 codes;
+  std::memcpy(&codes, src, sizeof(codes));
+  // In steps, as for e4m3 above: a direct conversion becomes scalar inserts.
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(codes, I16x16), I32x16), Vec);
+#endif
+}
+
+// n <= 16 per-key scales (an int8 cache's), lanes past n zero: never reads past the block's row.
+inline Vec load_scales(const float* src, int64_t n) {
+  Vec v{};
+  std::memcpy(&v, src, n * sizeof(float));
+  return v;
 }
 
 // ---- storing 16 fp32 values as the output dtype ----------------------------------------------
@@ -251,6 +276,9 @@ struct Problem {
   const void* value_cache;
   int64_t k_stride_b, k_stride_h, k_stride_s;
   int64_t v_stride_b, v_stride_h, v_stride_s;
+  const float* key_scales;    // int8 caches: [num_blocks, kv_heads, block_size], contiguous rows; else null
+  const float* value_scales;
+  int64_t ks_stride_b, ks_stride_h, vs_stride_b, vs_stride_h;
   void* out;
   int64_t num_blocks, block_size, head_dim, num_heads, group, tokens_per_tile;
   IndexView block_tables, seq_lens, query_start_loc;
@@ -333,10 +361,11 @@ bool online_softmax(const Vec* row_scores, int64_t n, const int64_t* visible, co
 // against one chunk of n <= 16 keys: scores, online-softmax update, and P.V. `src_t` is the
 // cache's element type when the rows read the cache directly, float when they read a chunk
 // converted once for several row blocks. Row r may see keys [hidden[r], visible[r]) of the n.
+// k_scales / v_scales: the n keys' and values' scales of an int8 cache read directly (else null).
 template <typename src_t, int kVectors, int kRB>
 void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride, int64_t n,
                 const int64_t* visible, const int64_t* hidden, int64_t vectors, float soft_cap, const Vec* q, Vec* acc_out,
-                float* row_max, float* row_sum, Vec* parts) {
+                float* row_max, float* row_sum, Vec* parts, const float* k_scales, const float* v_scales) {
   const int64_t NV = kVectors > 0 ? kVectors : vectors;
   for (int64_t j = 0; j < n; ++j) {
     Vec k[kMaxVectors];
@@ -349,8 +378,16 @@ void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int6
   }
   Vec scores[kRB];
   for (int r = 0; r < kRB; ++r) scores[r] = reduce16(parts + r * kChunk);
+  if (k_scales != nullptr) {
+    const Vec key_scale = load_scales(k_scales, n);
+    for (int r = 0; r < kRB; ++r) scores[r] *= key_scale;
+  }
   alignas(64) float weights[kRB][kChunk];
   const bool whole_chunk = online_softmax<kRB>(scores, n, visible, hidden, NV, soft_cap, acc_out, row_max, row_sum, weights);
+  if (v_scales != nullptr) {  // the row sums are of the unscaled weights: only P.V sees the scales
+    for (int r = 0; r < kRB; ++r)
+      for (int64_t j = std::max<int64_t>(0, hidden[r]); j < std::min(n, visible[r]); ++j) weights[r][j] *= v_scales[j];
+  }
   if (whole_chunk) {  // keys outer, rows inner: each V row is loaded once for the whole block
     Vec acc[kRB][kMaxVectors];
     for (int r = 0; r < kRB; ++r)
@@ -622,11 +659,13 @@ struct AmxScratch {
 // Rows [r0, r0 + count) of the tile against one chunk, count <= kRowBlock.
 template <typename src_t, int kVectors>
 void chunk_row_block(int64_t count, const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride,
-                     int64_t n, const int64_t* visible, int64_t vectors, float soft_cap, Scratch& s, int64_t r0) {
+                     int64_t n, const int64_t* visible, int64_t vectors, float soft_cap, Scratch& s, int64_t r0,
+                     const float* k_scales, const float* v_scales) {
   const int64_t NV = vectors;
   const auto args = std::make_tuple(k_rows, k_stride, v_rows, v_stride, n, visible + r0, s.hidden.data() + r0, vectors,
                                     soft_cap, s.q.data() + r0 * NV,
-                                    s.acc.data() + r0 * NV, s.row_max.data() + r0, s.row_sum.data() + r0, s.parts.data());
+                                    s.acc.data() + r0 * NV, s.row_max.data() + r0, s.row_sum.data() + r0, s.parts.data(),
+                                    k_scales, v_scales);
   switch (count) {
     case 1: return std::apply(chunk_rows<src_t, kVectors, 1>, args);
     case 2: return std::apply(chunk_rows<src_t, kVectors, 2>, args);
@@ -702,6 +741,8 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   for (int64_t b = first_block; b < num_blocks; ++b) {
     const kv_t* k_block = key_cache + block * p.k_stride_b + item.kv_head * p.k_stride_h;
     const kv_t* v_block = value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h;
+    const float* ks_block = p.key_scales ? p.key_scales + block * p.ks_stride_b + item.kv_head * p.ks_stride_h : nullptr;
+    const float* vs_block = p.value_scales ? p.value_scales + block * p.vs_stride_b + item.kv_head * p.vs_stride_h : nullptr;
     if (b + 1 < num_blocks) {  // blocks lie anywhere in memory: ask for the next one while this one computes
       block = block_id(b + 1);
       const int64_t next_n = amx ? 0 : std::min(B, num_keys - (b + 1) * B);  // AMX prefetches as it computes
@@ -714,6 +755,8 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
       if (n <= 0) break;
       const kv_t* k_rows = k_block + c0 * p.k_stride_s;
       const kv_t* v_rows = v_block + c0 * p.v_stride_s;
+      const float* k_scales = ks_block ? ks_block + c0 : nullptr;
+      const float* v_scales = vs_block ? vs_block + c0 : nullptr;
 #ifdef __AMX_BF16__
       if constexpr (kAmxType) {
         if (amx) {
@@ -731,9 +774,14 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
       }
       if (staged) {
         for (int64_t j = 0; j < n; ++j) {
+          const float k_scale = k_scales ? k_scales[j] : 1.0f, v_scale = v_scales ? v_scales[j] : 1.0f;
           for (int64_t i = 0; i < NV; ++i) {
             s.k[j * NV + i] = load16(k_rows + j * p.k_stride_s + i * kLanes);
             s.v[j * NV + i] = load16(v_rows + j * p.v_stride_s + i * kLanes);
+            if (k_scales) {  // an int8 chunk: dequantised once, for all its row blocks
+              s.k[j * NV + i] *= k_scale;
+              s.v[j * NV + i] *= v_scale;
+            }
           }
         }
       }
@@ -742,9 +790,11 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
         if (visible[r0 + count - 1] <= 0 || hidden[r0] >= n) continue;  // later rows see more and start later: none of this block sees the chunk
         if (staged) {
           chunk_row_block<float, kVectors>(count, reinterpret_cast<const float*>(s.k.data()), NV * kLanes,
-                                           reinterpret_cast<const float*>(s.v.data()), NV * kLanes, n, visible, NV, p.soft_cap, s, r0);
+                                           reinterpret_cast<const float*>(s.v.data()), NV * kLanes, n, visible, NV, p.soft_cap, s, r0,
+                                           nullptr, nullptr);
         } else {
-          chunk_row_block<kv_t, kVectors>(count, k_rows, p.k_stride_s, v_rows, p.v_stride_s, n, visible, NV, p.soft_cap, s, r0);
+          chunk_row_block<kv_t, kVectors>(count, k_rows, p.k_stride_s, v_rows, p.v_stride_s, n, visible, NV, p.soft_cap, s, r0,
+                                          k_scales, v_scales);
         }
       }
     }
@@ -813,8 +863,8 @@ void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t wor
 // scaled_dot_product_attention on its gathered K/V: the flash kernel computes tiles of queries x
 // keys as matrix products (AMX / VNNI where the CPU has them), measured 2.8x faster than the
 // loop here for a 512-token bf16 prompt. A chunk after earlier context needs a bottom-right
-// causal mask, which SDPA's CPU flash path does not take: such chunks stay here, as do fp8
-// caches (SDPA would need a converted copy) and short prompts (gathering is not worth it).
+// causal mask, which SDPA's CPU flash path does not take: such chunks stay here, as do fp8 and
+// int8 caches (SDPA would need a converted copy) and short prompts (gathering is not worth it).
 constexpr int64_t kSdpaMinTokens = 64;
 
 struct Plan {
@@ -880,10 +930,43 @@ Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t 
   return plan;
 }
 
+// An int8 cache's scales, [num_blocks, kv_heads, block_size] on the CPU with contiguous rows: as
+// float32, or as the engine's pages hold them, their bytes ([..., 4] int8: kv_quant.row_scales).
+struct RowScales {
+  float* data;
+  int64_t stride_b, stride_h;
+};
+
+RowScales row_scales(const at::Tensor& t, const at::Tensor& key_cache) {
+  const bool bytes = t.scalar_type() == at::kChar && t.dim() == 4 && t.size(3) == 4 && t.stride(3) == 1 && t.stride(2) == 4 &&
+                     t.stride(0) % 4 == 0 && t.stride(1) % 4 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+  const bool floats = t.scalar_type() == at::kFloat && t.dim() == 3 && t.stride(2) == 1;
+  TORCH_CHECK_VALUE(t.device().is_cpu() && (bytes || floats) && t.size(0) == key_cache.size(0) &&
+                        t.size(1) == key_cache.size(1) && t.size(2) == key_cache.size(2),
+                    "int8 KV scales must be CPU tensors [num_blocks, kv_heads, block_size] of float32 (or their bytes) "
+                    "with contiguous rows");
+  const int64_t unit = bytes ? 4 : 1;
+  return RowScales{static_cast<float*>(t.data_ptr()), t.stride(0) / unit, t.stride(1) / unit};
+}
+
+// Other caches have none.
+void check_row_scales(const at::Tensor& key_cache, const std::optional<at::Tensor>& key_scales,
+                      const std::optional<at::Tensor>& value_scales) {
+  if (key_cache.scalar_type() != at::kChar) {
+    TORCH_CHECK_VALUE(!key_scales.has_value() && !value_scales.has_value(), "per-token scales belong to int8 caches only");
+    return;
+  }
+  TORCH_CHECK_VALUE(key_scales.has_value() && value_scales.has_value(),
+                    "an int8 KV cache needs key_scales and value_scales (a float32 scale per token and KV head)");
+  row_scales(*key_scales, key_cache);
+  row_scales(*value_scales, key_cache);
+}
+
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens_in,
                            const at::Tensor& query_start_loc_in, double score_scale, double out_scale, int64_t sliding_window,
-                           double soft_cap) {
+                           double soft_cap, const std::optional<at::Tensor>& key_scales,
+                           const std::optional<at::Tensor>& value_scales) {
   TORCH_CHECK_VALUE(query_in.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
                     "query must be [tokens, heads, head_dim] and both caches [blocks, kv_heads, block_size, head_dim]");
   for (const at::Tensor* t : {&query_in, &key_cache, &value_cache, &block_tables, &seq_lens_in, &query_start_loc_in}) {
@@ -941,11 +1024,21 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   p.soft_cap = static_cast<float>(soft_cap);
   const at::ScalarType q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   TORCH_CHECK_VALUE(value_cache.scalar_type() == kv_type, "key_cache and value_cache must have the same dtype");
-  const bool fp8 = kv_type == at::kFloat8_e4m3fn;
-  TORCH_CHECK_VALUE(fp8 || kv_type == q_type, "KV cache dtype must equal the query dtype or be float8_e4m3fn");
+  const bool fp8 = kv_type == at::kFloat8_e4m3fn, int8 = kv_type == at::kChar;
+  TORCH_CHECK_VALUE(fp8 || int8 || kv_type == q_type, "KV cache dtype must equal the query dtype or be float8_e4m3fn or int8");
   TORCH_CHECK_VALUE(q_type == at::kFloat || q_type == at::kHalf || q_type == at::kBFloat16,
                     "query dtype must be float32, float16 or bfloat16, got ", q_type);
-  const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads, !fp8);
+  check_row_scales(key_cache, key_scales, value_scales);
+  if (int8) {
+    const RowScales ks = row_scales(*key_scales, key_cache), vs = row_scales(*value_scales, key_cache);
+    p.key_scales = ks.data;
+    p.value_scales = vs.data;
+    p.ks_stride_b = ks.stride_b;
+    p.ks_stride_h = ks.stride_h;
+    p.vs_stride_b = vs.stride_b;
+    p.vs_stride_h = vs.stride_h;
+  }
+  const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads, !fp8 && !int8);
   const std::vector<WorkItem>& items = plan.items;
   const int64_t workers = plan.work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());
 
@@ -962,13 +1055,19 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   }
   switch (q_type) {
     case at::kFloat:
-      fp8 ? run_items<float, c10::Float8_e4m3fn>(p, items, workers) : run_items<float, float>(p, items, workers);
+      if (fp8) run_items<float, c10::Float8_e4m3fn>(p, items, workers);
+      else if (int8) run_items<float, int8_t>(p, items, workers);
+      else run_items<float, float>(p, items, workers);
       break;
     case at::kHalf:
-      fp8 ? run_items<c10::Half, c10::Float8_e4m3fn>(p, items, workers) : run_items<c10::Half, c10::Half>(p, items, workers);
+      if (fp8) run_items<c10::Half, c10::Float8_e4m3fn>(p, items, workers);
+      else if (int8) run_items<c10::Half, int8_t>(p, items, workers);
+      else run_items<c10::Half, c10::Half>(p, items, workers);
       break;
     case at::kBFloat16:
-      fp8 ? run_items<c10::BFloat16, c10::Float8_e4m3fn>(p, items, workers) : run_items<c10::BFloat16, c10::BFloat16>(p, items, workers);
+      if (fp8) run_items<c10::BFloat16, c10::Float8_e4m3fn>(p, items, workers);
+      else if (int8) run_items<c10::BFloat16, int8_t>(p, items, workers);
+      else run_items<c10::BFloat16, c10::BFloat16>(p, items, workers);
       break;
     default:  // refused above
       break;
@@ -1006,31 +1105,74 @@ void write_rows(const at::Tensor& rows, const at::Tensor& cache, const int64_t* 
   }
 }
 
-template <typename cache_t>
-void write_rows_from(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slots, float scale) {
-  switch (rows.scalar_type()) {
-    case at::kFloat: return write_rows<float, cache_t>(rows, cache, slots, scale);
-    case at::kHalf: return write_rows<c10::Half, cache_t>(rows, cache, slots, scale);
-    case at::kBFloat16: return write_rows<c10::BFloat16, cache_t>(rows, cache, slots, scale);
-    default: TORCH_CHECK_VALUE(false, "key/value must be float32, float16 or bfloat16, got ", rows.scalar_type());
+// An int8 cache's rows, as kv_quant.quantize_rows_int8: s = absmax / 127 in fp32, q = x / s
+// rounded to nearest even (nearbyint in the default rounding mode, as torch.round), so both
+// writes agree bit for bit. A zero row: s = 0, q = 0.
+template <typename src_t>
+void write_rows_int8(const at::Tensor& rows, const at::Tensor& cache, const RowScales& scales, const int64_t* slots) {
+  const int64_t num_tokens = rows.size(0), num_kv_heads = rows.size(1), head_dim = rows.size(2);
+  const int64_t block_size = cache.size(2);
+  const src_t* src = static_cast<const src_t*>(rows.data_ptr());
+  int8_t* dst = static_cast<int8_t*>(cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;  // padding: not written
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const src_t* in = src + t * rows.stride(0) + h * rows.stride(1);
+      int8_t* out = dst + block * cache.stride(0) + h * cache.stride(1) + offset * cache.stride(2);
+      float absmax = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::abs(static_cast<float>(in[d])));
+      const float scale = absmax / 127.0f;
+      const float divisor = scale > 0.0f ? scale : 1.0f;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float q = std::nearbyint(static_cast<float>(in[d]) / divisor);
+        out[d] = static_cast<int8_t>(std::min(std::max(q, -127.0f), 127.0f));
+      }
+      scales.data[block * scales.stride_b + h * scales.stride_h + offset] = scale;
+    }
   }
 }
 
-void write_cache(const at::Tensor& rows_in, const at::Tensor& cache, const int64_t* slots, float scale) {
+template <typename cache_t>
+void write_rows_from(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slots, float scale,
+                     const std::optional<at::Tensor>& scales_in) {
+  if constexpr (std::is_same<cache_t, int8_t>::value) {
+    const RowScales scales = row_scales(*scales_in, cache);
+    switch (rows.scalar_type()) {
+      case at::kFloat: return write_rows_int8<float>(rows, cache, scales, slots);
+      case at::kHalf: return write_rows_int8<c10::Half>(rows, cache, scales, slots);
+      case at::kBFloat16: return write_rows_int8<c10::BFloat16>(rows, cache, scales, slots);
+      default: TORCH_CHECK_VALUE(false, "key/value must be float32, float16 or bfloat16, got ", rows.scalar_type());
+    }
+  } else {
+    switch (rows.scalar_type()) {
+      case at::kFloat: return write_rows<float, cache_t>(rows, cache, slots, scale);
+      case at::kHalf: return write_rows<c10::Half, cache_t>(rows, cache, slots, scale);
+      case at::kBFloat16: return write_rows<c10::BFloat16, cache_t>(rows, cache, slots, scale);
+      default: TORCH_CHECK_VALUE(false, "key/value must be float32, float16 or bfloat16, got ", rows.scalar_type());
+    }
+  }
+}
+
+void write_cache(const at::Tensor& rows_in, const at::Tensor& cache, const int64_t* slots, float scale,
+                 const std::optional<at::Tensor>& row_scales) {
   const at::Tensor rows = rows_in.stride(2) == 1 ? rows_in : rows_in.contiguous();
   switch (cache.scalar_type()) {
-    case at::kFloat: return write_rows_from<float>(rows, cache, slots, scale);
-    case at::kHalf: return write_rows_from<c10::Half>(rows, cache, slots, scale);
-    case at::kBFloat16: return write_rows_from<c10::BFloat16>(rows, cache, slots, scale);
-    case at::kFloat8_e4m3fn: return write_rows_from<c10::Float8_e4m3fn>(rows, cache, slots, scale);
-    default: TORCH_CHECK_VALUE(false, "KV cache dtype must be float32, float16, bfloat16 or float8_e4m3fn, got ", cache.scalar_type());
+    case at::kFloat: return write_rows_from<float>(rows, cache, slots, scale, row_scales);
+    case at::kHalf: return write_rows_from<c10::Half>(rows, cache, slots, scale, row_scales);
+    case at::kBFloat16: return write_rows_from<c10::BFloat16>(rows, cache, slots, scale, row_scales);
+    case at::kFloat8_e4m3fn: return write_rows_from<c10::Float8_e4m3fn>(rows, cache, slots, scale, row_scales);
+    case at::kChar: return write_rows_from<int8_t>(rows, cache, slots, scale, row_scales);
+    default: TORCH_CHECK_VALUE(false, "KV cache dtype must be float32, float16, bfloat16, float8_e4m3fn or int8, got ", cache.scalar_type());
   }
 }
 
 // Scatters this step's K/V rows into their slots: the same contract as
 // torch_attention.write_kv_cache, in one pass without the index tensors torch would build.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                    const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale, const std::optional<at::Tensor>& key_scales,
+                    const std::optional<at::Tensor>& value_scales) {
   for (const at::Tensor* t : {&key, &value, &key_cache, &value_cache, &slot_mapping}) {
     TORCH_CHECK_VALUE(t->device().is_cpu(), "every tensor must be on the CPU");
   }
@@ -1040,6 +1182,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
   TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "KV caches must be contiguous in head_dim");
   TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(), "key_cache and value_cache must have the same dtype");
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), "slot_mapping needs one entry per key/value row");
+  check_row_scales(key_cache, key_scales, value_scales);
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
   for (int64_t t = 0; t < slots.size(0); ++t) {  // all checked before anything is written
@@ -1047,28 +1190,30 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
     TORCH_CHECK_VALUE(slot >= -1 && slot < num_slots, "slot_mapping holds slot ", slot, "; slots are in [0, ", num_slots,
                       "), or -1 for padding that is not written");
   }
-  write_cache(key, key_cache, slots.data_ptr<int64_t>(), static_cast<float>(k_scale));
-  write_cache(value, value_cache, slots.data_ptr<int64_t>(), static_cast<float>(v_scale));
+  write_cache(key, key_cache, slots.data_ptr<int64_t>(), static_cast<float>(k_scale), key_scales);
+  write_cache(value, value_cache, slots.data_ptr<int64_t>(), static_cast<float>(v_scale), value_scales);
 }
 
 // Shapes only, for torch.compile's fake tensors (symbolic sizes): the ops stay single graph nodes.
 at::Tensor paged_attention_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, double, double, c10::SymInt, double) {
+                                const at::Tensor&, const at::Tensor&, double, double, c10::SymInt, double,
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   return at::empty_symint(query.sym_sizes(), query.options());
 }
 
 void write_kv_cache_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         double, double) {}
+                         double, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {}
 
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, float score_scale, float out_scale, SymInt sliding_window=0, float soft_cap=0.0) -> Tensor");
+      "Tensor query_start_loc, float score_scale, float out_scale, SymInt sliding_window=0, float soft_cap=0.0, "
+      "Tensor? key_scales=None, Tensor? value_scales=None) -> Tensor");
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
-      "float k_scale, float v_scale) -> ()");
+      "float k_scale, float v_scale, Tensor(c!)? key_scales=None, Tensor(d!)? value_scales=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine.config import ConfigError
 from kvserve.engine.model.deepseek import DeepseekForCausalLM
 from kvserve.engine.model.deepseek_config import DeepseekConfig
 from kvserve.engine.model.mla_attention import MLAAttention
@@ -20,6 +21,7 @@ from kvserve.engine.model.model_loader import load_model
 from kvserve.engine.model.model_source import ModelSource
 from kvserve.engine.model.registry import load_model_config, model_config_from_hf_dict
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.worker.kv_cache_sizing import layer_kv_specs
 from kvserve.kernels import AttentionMetadata, TorchAttentionBackend
 from kvserve.paging import KVCacheConfig, KVCacheManager, MLAAttentionSpec, group_layers
 from kvserve.scheduler import Scheduler, SchedulerConfig
@@ -175,3 +177,12 @@ def test_a_gguf_as_llama_cpp_lays_out_deepseek2_gives_the_same_tokens(tiny, tmp_
     scheduler, runner = engine_parts(gguf_path, num_blocks=64, source="gguf", max_num_batched_tokens=256)
     outputs, _ = run(scheduler, runner, dict(PROMPTS))
     assert not near_tie_divergences([outputs[r] for r in PROMPTS], [references[r] for r in PROMPTS])
+
+
+def test_an_int8_kv_cache_is_refused_with_the_option_named(tiny) -> None:
+    """A latent has no per-head rows for int8's per-token scales: the engine says so at start-up."""
+    _, path, _, _ = tiny
+    _, model = load_model(ModelSource("hf", path), torch.float32, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="int8 is not supported for latent attention") as error:
+        layer_kv_specs(model, torch.int8)
+    assert error.value.option == "--kv-cache-dtype"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.engine.kv_cache_tensors import KVCacheTensors
-from kvserve.paging import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec, group_layers
+from kvserve.kernels.kv_quant import row_scales
+from kvserve.paging import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec, SlidingWindowSpec, group_layers
 
 BLOCK = 16
 
@@ -57,3 +58,34 @@ def test_latent_and_full_attention_layers_share_the_pool_and_copy_on_write_copie
     fv[2].fill_(3.0)
     tensors.copy_blocks([(1, 3), (2, 0)])
     assert bool((lk[3] == 1.0).all()) and bool((fk[0] == 2.0).all()) and bool((fv[0] == 3.0).all())
+
+
+def test_an_int8_page_holds_each_part_s_rows_then_their_scales_and_copy_on_write_moves_both():
+    spec = FullAttentionSpec(2, 16, "int8", 1)
+    assert spec.bytes_per_token == 2 * 2 * (16 + 4)  # K and V: 16 int8 values and a float32 scale per head
+    config = KVCacheConfig(5, BLOCK, group_layers([spec] * 2))
+    tensors = KVCacheTensors.allocate(config, torch.int8, torch.device("cpu"))
+    assert tensors.num_bytes == config.total_bytes == 5 * BLOCK * 2 * spec.bytes_per_token
+    for key, value, *scale_bytes in tensors.layers:
+        assert key.shape == value.shape == (5, 2, BLOCK, 16) and key.dtype == torch.int8
+        key_scales, value_scales = (row_scales(s) for s in scale_bytes)  # the kernels read the bytes as floats
+        assert key_scales.shape == value_scales.shape == (5, 2, BLOCK) and key_scales.dtype == torch.float32
+        assert key_scales.stride(0) * 4 == key.stride(0)  # paged by the same block ids: one page a block
+        assert key_scales.data_ptr() == key.data_ptr() + 2 * BLOCK * 16  # right after the block's rows
+    key, value, key_scales, value_scales = tensors.layers[1]
+    key_scales, value_scales = row_scales(key_scales), row_scales(value_scales)
+    key[3].fill_(7)
+    key_scales[3].fill_(0.5)
+    value_scales[3].fill_(0.25)
+    tensors.copy_blocks([(3, 0)])
+    assert bool((key[0] == 7).all()) and bool((key_scales[0] == 0.5).all()) and bool((value_scales[0] == 0.25).all())
+    assert bool((row_scales(tensors.layers[0][2]) == 0).all())  # the other layer's scales untouched
+
+
+def test_int8_window_and_full_groups_share_the_pool_with_their_scales():
+    full = FullAttentionSpec(2, 16, "int8", 1)
+    window = SlidingWindowSpec(2, 16, "int8", 1, sliding_window=32)
+    config = KVCacheConfig(4, BLOCK, group_layers([window, full, window, full]))
+    tensors = KVCacheTensors.allocate(config, torch.int8, torch.device("cpu"))
+    assert all(len(layer) == 4 and row_scales(layer[2]).shape == (4, 2, BLOCK) for layer in tensors.layers)
+    assert tensors.num_bytes == config.total_bytes

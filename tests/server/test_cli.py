@@ -53,6 +53,12 @@ def test_quantization_and_threads_from_flags_and_environment() -> None:
     assert (engine.quantization, engine.cpu_threads) == (None, None)
 
 
+def test_kv_cache_dtype_choices_reach_the_engine_config() -> None:
+    for choice in ("auto", "fp8", "int8"):
+        assert configs(["--kv-cache-dtype", choice])[0].kv_cache_dtype == choice
+    assert configs([], {"KVSERVE_KV_CACHE_DTYPE": "int8"})[0].kv_cache_dtype == "int8"
+
+
 def test_scheduling_flags_reach_the_engine_config() -> None:
     engine, _ = configs(["--scheduling-policy", "priority", "--long-prefill-token-threshold", "256"])
     assert (engine.scheduling_policy, engine.long_prefill_token_threshold) == ("priority", 256)
@@ -103,6 +109,8 @@ def test_every_serve_option_has_an_environment_variable() -> None:
     ([], {"KVSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "KVSERVE_ENABLE_PREFIX_CACHING"),
     ([], {"KVSERVE_DTYPE": "int3"}, "KVSERVE_DTYPE"),
     (["--quantization", "int3"], {}, "--quantization"),
+    (["--kv-cache-dtype", "int4"], {}, "--kv-cache-dtype"),
+    ([], {"KVSERVE_KV_CACHE_DTYPE": "fp16"}, "KVSERVE_KV_CACHE_DTYPE"),
     ([], {"KVSERVE_QUANTIZATION": "fp4"}, "KVSERVE_QUANTIZATION"),
     (["--cpu-threads", "0"], {}, "--cpu-threads"),
     (["--cpu-threads", "-2"], {}, "--cpu-threads"),

@@ -53,6 +53,20 @@ def test_batch_multiplies_and_dtype_scales(capsys):
     assert table_rows(fp8)[4096][0] == pytest.approx(8 * 2.147 / 2, rel=1e-3)
 
 
+def test_int8_counts_a_float32_scale_per_token_head_and_k_or_v(capsys):
+    # llama-7b: 32 layers x 32 KV heads x 2 (K, V) x (128 int8 values + a 4-byte scale) = 270,336 bytes a token.
+    code, out, _ = kv_size(capsys, "--model", "llama-7b", "--tokens", "4096", "--kv-dtype", "int8", "--memory", "80GB")
+    assert code == 0
+    assert "KV per token (int8): 270,336 bytes" in out
+    assert table_rows(out)[4096][0] == pytest.approx(270_336 * 4096 / 1e9, abs=0.005)  # printed to 2 decimals
+    assert "of 16 tokens (4.325 MB each)" in out  # the blocks the engine would allocate count the scales too
+
+
+def test_int8_is_refused_for_latent_attention(capsys):
+    code, _, err = kv_size(capsys, "--model", "deepseek-v3", "--tokens", "4096", "--kv-dtype", "int8")
+    assert code == 2 and "latent attention (MLA)" in err
+
+
 def test_memory_gives_blocks_and_concurrent_requests(capsys):
     code, out, _ = kv_size(capsys, "--model", "smollm2-135m", "--tokens", "8192", "--memory", "2GiB")
     assert code == 0
