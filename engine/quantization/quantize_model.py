@@ -14,6 +14,7 @@ same order). A rank whose slice a mode cannot pack keeps it, as every rank then 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from kvserve.engine.config import SUPPORTED_QUANTIZATIONS
 from kvserve.engine.model.parallel_layers import RowParallelLinear
-from kvserve.engine.quantization.int4_linear import GROUP_SIZE, GROUP_SIZES, Int4Linear, int4_compatible
+from kvserve.engine.quantization.int4_linear import GROUP_SIZE, GROUP_SIZES, KERNELS, Int4Linear, int4_compatible
 from kvserve.engine.quantization.int8_linear import Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,11 @@ QUANTIZATION_MODES = SUPPORTED_QUANTIZATIONS
 # from bf16's: over the fixed passage, mean KL 0.073 nat/token against 0.004, argmax agreement
 # 75% against 95%, NLL +2.2% against +0.15% (benchmarks/quant_accuracy.py).
 OUTPUT_LAYER_MODE = {"int8": "int8", "int4": "int8"}
+# Which few-row matmuls quantized layers run where quantize_model is not told: "auto" (kvserve's
+# VNNI kernels where they run), "vnni" or "torch" (torch's ops: activations left unrounded, so a
+# tensor-parallel shard computes what the unsharded layer does up to float32 summation order).
+# An environment variable because every tensor-parallel worker process reads it.
+KERNEL_ENV = "KVSERVE_QUANT_KERNEL"
 # The output layer, or its inner linear under tensor parallelism (engine/model/parallel_layers.py).
 OUTPUT_LAYER_NAMES = ("lm_head", "lm_head.linear")
 
@@ -62,16 +68,20 @@ _CONVERTERS: dict[str, Callable[[nn.Linear, int, str, nn.Module], nn.Module | No
 
 
 def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None = None,
-                   int4_group_size: int = GROUP_SIZE, kernel: str = "auto") -> QuantizationSummary:
+                   int4_group_size: int = GROUP_SIZE, kernel: str | None = None) -> QuantizationSummary:
     """Converts every nn.Linear of `model` to `mode`, and the output layer `lm_head` to
     `output_layer_mode` (default: OUTPUT_LAYER_MODE[mode]); int4 layers get groups of
     `int4_group_size` along K; every layer gets the few-row matmul `kernel` ("auto": kvserve's
-    VNNI kernels where they run, else torch's ops; "vnni"; "torch"). Returns what was converted."""
+    VNNI kernels where they run, else torch's ops; "vnni"; "torch"; None: $KVSERVE_QUANT_KERNEL,
+    else "auto"). Returns what was converted."""
     if mode not in _CONVERTERS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     head_mode = output_layer_mode or OUTPUT_LAYER_MODE[mode]
     if head_mode not in _CONVERTERS:
         raise ValueError(f"output layer quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {head_mode!r}")
+    kernel = kernel or os.environ.get(KERNEL_ENV) or "auto"
+    if kernel not in KERNELS:
+        raise ValueError(f"quantized kernel ({KERNEL_ENV}) must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if int4_group_size not in GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {int4_group_size}")
     quantized, kept, before, after = [], [], 0, 0

@@ -14,6 +14,7 @@ from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model
 from kvserve.engine.quantization.int4_linear import quantize_int4
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS, quantize_int8
+from kvserve.engine.quantization.quantize_model import KERNEL_ENV
 from kvserve.kernels import TorchAttentionBackend
 from kvserve.kernels.cpu_quant_gemm import quant_gemm_available
 
@@ -101,6 +102,16 @@ def test_int8_linear_on_the_vnni_kernel_matches_torch_s(rows) -> None:
     expected = plain(x).float()
     # Few rows: int8 activations per group of 32 (~0.5% of the output's scale); many: the same matmul.
     assert (vnni(x).float() - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_the_kernel_comes_from_the_environment_where_not_given(monkeypatch) -> None:
+    monkeypatch.setenv(KERNEL_ENV, "torch")
+    model = nn.Sequential(nn.Linear(64, 96))
+    quantize_model(model, "int4")
+    assert isinstance(model[0], Int4Linear) and not model[0].vnni
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="KVSERVE_QUANT_KERNEL.*one of auto, vnni, torch, got 'fast'"):
+        quantize_model(nn.Sequential(nn.Linear(64, 96)), "int4")
 
 
 def test_quantization_error_is_within_half_a_step() -> None:
