@@ -4,8 +4,10 @@ Two matmuls, chosen once per layer when it is built (`kernel`):
 - "vnni" (the default where the CPU has AVX-512 VNNI and a compiler builds it): kvserve's own
   kernel (kernels/cpu_quant_gemm.py), llama.cpp's Q4_1 x Q8_1 scheme: activations quantized per
   call to int8 in groups of 32, integer dot products by `vpdpbusd`, fp16 scales. At one row it
-  takes ~0.45x the time of torch's op on SmolLM2's layers (benchmarks/quant_gemm.py), for the same
-  bytes; the activations' int8 rounding is what llama.cpp pays too (benchmarks/quant_accuracy.py).
+  takes ~0.45x the time of torch's op on SmolLM2's layers with the weights in cache
+  (benchmarks/quant_gemm.py), for the same bytes; from memory, as in a forward, both are
+  bandwidth-bound on a busy 2-core machine (~level). The activations' int8 rounding is what
+  llama.cpp pays too (KL from bf16 0.0070 against 0.0040: benchmarks/quant_accuracy.py).
 - "torch": torch's `_weight_int4pack_mm_for_cpu` (any group size, any x86 CPU): at one row it
   reads a quarter of bf16's bytes and runs ~3x faster than bf16 `F.linear`, but it dequantizes to
   float and is compute-bound where VNNI's integer products are not.
