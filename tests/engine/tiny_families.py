@@ -55,7 +55,7 @@ def tiny_config(name: str):
                 "long_factor": [1.0, 1.7, 3.1, 6.5], "short_factor": [1.0, 1.1, 1.3, 1.6]}
         return transformers.Phi3Config(**{**common, "hidden_size": 64}, num_hidden_layers=2,
                                        original_max_position_embeddings=64, partial_rotary_factor=0.5,
-                                       tie_word_embeddings=False, sliding_window=None, rope_parameters=rope)
+                                       tie_word_embeddings=False, sliding_window=GEMMA3_WINDOW, rope_parameters=rope)
     if name == "llama3":
         # Llama 3.x's llama3 rope scaling, with an original context short enough (64) that every
         # frequency band (kept, divided, interpolated) matters within the test prompts.
