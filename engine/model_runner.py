@@ -178,11 +178,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Runs the forward on the two kinds of step that get their own compiled graph: one
-        token, and several requests with a decode and a prompt chunk. Writes only into block 0,
-        which holds nothing yet. Compiled, the first warm-up then binds the layers straight to
-        their compiled graphs (compilation.bind_compiled_graphs)."""
-        forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2])]
+        """Runs the forward on the kinds of step that get their own compiled graph: one token,
+        several requests with a decode and a prompt chunk, and the same with more rows than the
+        layers' few-row kernels take (bf16 and int8 layers branch on the row count at 8 and 16),
+        so that no step compiles while serving. Writes only into block 0, which holds nothing
+        yet. Compiled, the first warm-up then binds the layers straight to their compiled graphs
+        (compilation.bind_compiled_graphs)."""
+        forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2], [1] * 16 + [2])]
         if self.compiled and not self.graphs_bound:
             self.graphs_bound = bind_compiled_graphs(self.model, forwards)
         else:

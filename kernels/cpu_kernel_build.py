@@ -173,6 +173,28 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_flags().partition(":")[2].split())
 
 
+def load_optional_kernel(source: Path, required_flags: frozenset[str], name: str, fallback: str,
+                         cache_dir: Path | None = None, compiler: str | None = None,
+                         flags: frozenset[str] | None = None) -> bool:
+    """Builds (once per machine) and loads an optional kernel library (`name`, e.g. "VNNI int4/int8
+    kernels") that needs `required_flags` of /proc/cpuinfo; False, said in one log line naming
+    the `fallback` its callers then use, where this CPU lacks the instructions (nothing is
+    built) or the build or the load fails. `flags` stands for the CPU's (tests)."""
+    missing = required_flags - (cpu_flags() if flags is None else flags)
+    if missing:
+        logger.info("%s unavailable (this CPU lacks %s): %s", name, ", ".join(sorted(missing)), fallback)
+        return False
+    try:
+        result = build_library(cache_dir or default_cache_dir(), compiler, source=source)
+        torch.ops.load_library(str(result.library))
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as error:
+        logger.warning("%s unavailable, %s: %s", name, fallback, error)
+        return False
+    if result.compiled:
+        logger.info("compiled the %s in %.1f s (cached in %s)", name, result.seconds, result.library.parent)
+    return True
+
+
 def pick_variant(flags: frozenset[str], available: Sequence[str]) -> IsaVariant | None:
     """The best of the `available` variants that a CPU with these flags can run."""
     return next((v for v in ISA_VARIANTS if v.name in available and v.cpu_flags <= flags), None)

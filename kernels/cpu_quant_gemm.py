@@ -16,15 +16,11 @@ Where either is missing, `quant_gemm_available()` says so in one log line and ca
 from __future__ import annotations
 
 import functools
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from kvserve.kernels.cpu_kernel_build import KernelBuildError, build_library, cpu_flags, default_cache_dir
-
-logger = logging.getLogger(__name__)
+from kvserve.kernels.cpu_kernel_build import load_optional_kernel
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_quant_gemm.cpp"
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
@@ -104,20 +100,8 @@ def load_quant_gemm(cache_dir: Path | None = None, compiler: str | None = None,
                    flags: frozenset[str] | None = None) -> bool:
     """Builds (once per machine) and loads the kernel; False, said in one log line, where this CPU
     lacks the instructions or the build fails."""
-    missing = REQUIRED_CPU_FLAGS - (cpu_flags() if flags is None else flags)
-    if missing:
-        logger.info("VNNI int4/int8 kernels unavailable (this CPU lacks %s): quantized layers use torch's ops",
-                    ", ".join(sorted(missing)))
-        return False
-    try:
-        result = build_library(cache_dir or default_cache_dir(), compiler, source=SOURCE)
-        torch.ops.load_library(str(result.library))
-    except (KernelBuildError, OSError, subprocess.SubprocessError) as error:
-        logger.warning("VNNI int4/int8 kernels unavailable, quantized layers use torch's ops: %s", error)
-        return False
-    if result.compiled:
-        logger.info("compiled the VNNI int4/int8 kernels in %.1f s (cached in %s)", result.seconds, result.library.parent)
-    return True
+    return load_optional_kernel(SOURCE, REQUIRED_CPU_FLAGS, "VNNI int4/int8 kernels", "quantized layers use torch's ops",
+                                cache_dir, compiler, flags)
 
 
 @functools.cache  # one build-or-load attempt per process; a loaded library stays loaded anyway

@@ -13,6 +13,13 @@ the compiled and the eager forward alike.
 The packed tensor is opaque (layout torch._mkldnn): it is used only through the op below, which
 torch.compile keeps as one node. float32 models keep plain nn.Linear: their exactness against
 transformers is tested, and oneDNN's packed fp32 path would be a different kernel.
+
+At few rows (a single stream, a handful of decodes) oneDNN's packed matmul reads the weights at
+a third of the memory bandwidth; there kvserve's own AVX-512 BF16 kernel (kernels/cpu_bf16_gemm.py)
+runs from a second copy of the weights in its own layout, and oneDNN (AMX) keeps the larger row
+counts. The two round the same fp32 sums to bf16 but add them in another order: results agree
+to bf16's last bit, not bit for bit. The compiled graph branches on the row count, as the
+quantized layers' graphs do.
 """
 
 from __future__ import annotations
@@ -20,7 +27,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, pack_bf16
+
 PACKABLE_DTYPES = (torch.bfloat16,)
+# Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (benchmarks/bf16_gemm.py:
+# 1.4-5x at 1-8 rows, level at 16, oneDNN's AMX ahead from 32).
+FEW_ROWS_MAX = 8
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,
 # on import. Library.define/impl rather than @custom_op, whose per-call checks cost ~20 us: a
@@ -62,7 +74,7 @@ class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout (inference only: no gradients)."""
 
     def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-                 out_features: int) -> None:
+                 out_features: int, few_rows_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         if not packed_weight.is_mkldnn:
             raise ValueError("PackedLinear needs a weight from torch.ops.mkldnn._reorder_linear_weight")
@@ -70,30 +82,40 @@ class PackedLinear(nn.Module):
         # A plain attribute: module.to()/state_dict() cannot handle an opaque tensor, and nothing
         # should move or save it (the dense weights it came from are what a checkpoint holds).
         self.packed_weight = packed_weight
+        # The same weights in kvserve's bf16 kernel's layout (pack_bf16), for FEW_ROWS_MAX rows or
+        # fewer; None where that kernel is unavailable.
+        self.few_rows_weight = few_rows_weight
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+    def from_linear(cls, linear: nn.Linear, few_rows_kernel: bool | None = None) -> PackedLinear:
+        """`few_rows_kernel`: also pack for kvserve's bf16 kernel (None: where it is available)."""
         weight = linear.weight.detach()
         # No batch-size hint: the layout then suits every row count (measured at 1 to 256 rows).
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(packed, bias, linear.in_features, linear.out_features)
+        if few_rows_kernel is None:
+            few_rows_kernel = bf16_gemm_available()
+        few_rows_weight = pack_bf16(weight) if few_rows_kernel else None
+        return cls(packed, bias, linear.in_features, linear.out_features, few_rows_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows_weight is not None and x.numel() <= FEW_ROWS_MAX * self.in_features:
+            return bf16_linear(x, self.few_rows_weight, self.bias, self.out_features)
         return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"few_rows_kernel={self.few_rows_weight is not None}")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, few_rows_kernel: bool | None = None) -> int:
     """Replaces every nn.Linear of `model` whose weight oneDNN can pack by a PackedLinear, in
     place. Run it after any quantization (which swaps nn.Linear for its own modules) and before
-    compiling. Returns how many layers were packed."""
+    compiling. Returns how many layers were packed. `few_rows_kernel` as in PackedLinear.from_linear."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and weight_packing_supported(child.weight.dtype, child.weight.device)]
     with torch.inference_mode():
         for parent, name, child in targets:
-            setattr(parent, name, PackedLinear.from_linear(child))
+            setattr(parent, name, PackedLinear.from_linear(child, few_rows_kernel))
     return len(targets)

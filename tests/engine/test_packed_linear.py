@@ -1,5 +1,6 @@
-"""Prepacked bf16 linear layers compute exactly what F.linear computes, eagerly and compiled;
-pack_linear_weights packs every bf16 nn.Linear and leaves float32 models alone."""
+"""Prepacked bf16 linear layers compute exactly what F.linear computes on oneDNN's path, and to
+bf16's last bit on kvserve's few-row kernel, eagerly and compiled; pack_linear_weights packs every
+bf16 nn.Linear and leaves float32 models alone."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.model.llama import LlamaForCausalLM
-from kvserve.engine.model.packed_linear import PackedLinear, pack_linear_weights, weight_packing_supported
+from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, PackedLinear, pack_linear_weights,
+                                                weight_packing_supported)
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available
 from kvserve.engine.worker.kv_cache_sizing import kv_cache_config_for
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kernels import TorchAttentionBackend
@@ -31,14 +34,29 @@ def _linear(bias: bool) -> nn.Linear:
 
 @pytest.mark.parametrize("rows", [(1,), (7,), (64,), (2, 40)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_f_linear_bit_for_bit(rows, bias) -> None:
+def test_packed_linear_equals_f_linear_bit_for_bit_on_onednn(rows, bias) -> None:
     linear = _linear(bias)
     x = torch.randn(*rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
-        out = PackedLinear.from_linear(linear)(x)
+        out = PackedLinear.from_linear(linear, few_rows_kernel=False)(x)
         expected = F.linear(x, linear.weight, linear.bias)
     assert out.shape == (*rows, 96) and out.dtype == torch.bfloat16
     assert torch.equal(out, expected)
+
+
+@pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
+@pytest.mark.parametrize("rows", [(1,), (FEW_ROWS_MAX,), (2, 3), (FEW_ROWS_MAX + 1,), (64,)])
+def test_the_few_row_kernel_agrees_with_onednn_to_bf16s_last_bit(rows) -> None:
+    linear = _linear(bias=True)
+    x = torch.randn(*rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        both = PackedLinear.from_linear(linear, few_rows_kernel=True)
+        out = both(x)
+        expected = PackedLinear.from_linear(linear, few_rows_kernel=False)(x)
+    assert both.few_rows_weight is not None and out.shape == (*rows, 96) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=2**-7, atol=2**-7)
+    if x.numel() > FEW_ROWS_MAX * 64:
+        assert torch.equal(out, expected)  # oneDNN's path itself
 
 
 def test_packed_linear_compiles_as_one_op_for_any_row_count() -> None:
@@ -66,19 +84,27 @@ def test_pack_linear_weights_packs_every_bf16_linear_and_no_float32_one() -> Non
     assert isinstance(model.lm_head, PackedLinear)
 
 
-def _runner(packed: bool, compiled: bool) -> ModelRunner:
+def _runner(packed: bool, compiled: bool, few_rows_kernel: bool | None = None) -> ModelRunner:
     model = _model(torch.bfloat16)
     if packed:
-        pack_linear_weights(model)
+        pack_linear_weights(model, few_rows_kernel)
     return ModelRunner(model, CONFIG, kv_cache_config_for(model, 32, 4, torch.bfloat16), torch.bfloat16,
                        TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
 
 def test_a_packed_model_samples_what_the_dense_one_samples() -> None:
-    dense, packed = _runner(packed=False, compiled=False), _runner(packed=True, compiled=False)
-    assert run_steps(packed, PLAN, fresh_seqs()) == run_steps(dense, PLAN, fresh_seqs())
+    dense, packed = _runner(packed=False, compiled=False), _runner(packed=True, compiled=False, few_rows_kernel=False)
+    dense_tokens = run_steps(dense, PLAN, fresh_seqs())
+    assert run_steps(packed, PLAN, fresh_seqs()) == dense_tokens
     for (k_dense, v_dense), (k_packed, v_packed) in zip(dense.kv_caches, packed.kv_caches):
         assert torch.equal(k_packed, k_dense) and torch.equal(v_packed, v_dense)
+    # kvserve's few-row kernel sums in another order: the same tokens, caches to bf16's last bit.
+    if bf16_gemm_available():
+        few_rows = _runner(packed=True, compiled=False, few_rows_kernel=True)
+        assert run_steps(few_rows, PLAN, fresh_seqs()) == dense_tokens
+        for (k_dense, v_dense), (k_few, v_few) in zip(dense.kv_caches, few_rows.kv_caches):
+            torch.testing.assert_close(k_few, k_dense, rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(v_few, v_dense, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.slow

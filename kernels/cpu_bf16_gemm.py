@@ -1,0 +1,63 @@
+"""kvserve's bf16 linear for few rows (csrc/cpu_bf16_gemm.cpp) as Python functions: packing, the op.
+
+torch.ops.kvserve_bf16.bf16_linear(x [..., K] bf16, packed, bias [N] or None, N) -> [..., N] bf16:
+weights packed once (pack_bf16) into tiles of 16 output channels x pairs of inputs, multiplied by
+AVX-512 BF16 `vdpbf16ps` with fp32 sums, streaming the weights at memory bandwidth where oneDNN's
+prepacked matmul does not (1-16 rows; benchmarks/bf16_gemm.py). A torch library op with a Meta
+implementation, so a compiled forward keeps each call as one graph node.
+
+It needs AVX-512 (F, BW) with BF16, checked against /proc/cpuinfo before anything is built, and a
+C++ compiler (built once per machine like the other CPU kernels: kernels/cpu_kernel_build.py).
+Where either is missing, `bf16_gemm_available()` says so in one log line and bf16 layers keep
+oneDNN at every row count.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.cpu_kernel_build import load_optional_kernel
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_bf16_gemm.cpp"
+REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
+TILE = 16  # output channels per tile (the kernel's vector lanes)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> bf16 [ceil(N/16), ceil(K/2), 16, 2], the kernel's layout (zero-padded):
+    element (c, 2p + j) of tile t at [t, p, c, j]."""
+    if weight.dim() != 2:
+        raise ValueError(f"bf16 packing needs a [N, K] weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    padded = F.pad(weight.detach().to(torch.bfloat16), (0, k % 2, 0, -n % TILE))
+    tiles, pairs = padded.shape[0] // TILE, padded.shape[1] // 2
+    return padded.reshape(tiles, TILE, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [N, K] weights a packed tensor holds (for tests)."""
+    tiles, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2)[:out_features, :in_features]
+
+
+def load_bf16_gemm(cache_dir: Path | None = None, compiler: str | None = None,
+                   flags: frozenset[str] | None = None) -> bool:
+    """Builds (once per machine) and loads the kernel; False, said in one log line, where this CPU
+    lacks the instructions or the build fails."""
+    return load_optional_kernel(SOURCE, REQUIRED_CPU_FLAGS, "bf16 few-row kernel",
+                                "bf16 layers use oneDNN at every row count", cache_dir, compiler, flags)
+
+
+@functools.cache  # one build-or-load attempt per process; a loaded library stays loaded anyway
+def bf16_gemm_available() -> bool:
+    return load_bf16_gemm()
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] bf16 times the packed weights' transpose, plus bias -> [..., out_features] bf16.
+    Only call after `bf16_gemm_available()` returned True."""
+    return torch.ops.kvserve_bf16.bf16_linear(x, packed, bias, out_features)

@@ -1,0 +1,176 @@
+// bf16 x bf16 -> bf16 linear layers at few rows (decode steps) on AVX-512 BF16, at memory bandwidth.
+//
+// At 1-16 rows a linear layer is a pass over its weights: each weight is used by a handful of
+// rows only, so the time is the bytes read over the memory bandwidth. oneDNN's prepacked bf16
+// matmul reaches ~10 GB/s at those row counts on kvserve's 2-core Xeon against ~28 GB/s the memory
+// gives (benchmarks/bf16_gemm.py); this kernel streams the weights once per call for all rows.
+//
+// Layout (pack_bf16 in kernels/cpu_bf16_gemm.py builds it): [N/16][K/2][16][2] bf16, N and K
+// zero-padded to multiples of 16 and 2. Element (c, 2p + j) of a tile of 16 output channels sits at
+// [p][c][j]: one 64-byte load holds 2 inputs of all 16 channels, which `vdpbf16ps` multiplies by
+// one broadcast pair of an activation row into 16 fp32 sums, one per lane (no horizontal sums).
+// A pass reads T tiles side by side (T independent streams, T x R accumulators in registers) for
+// up to kMaxRows rows; more rows loop over row blocks while the tiles are still in L2. Threads split
+// the tiles (at::parallel_for over N). fp32 accumulation; the bias is added in fp32; the result is
+// rounded to bf16 once, to nearest even (as torch rounds).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__)
+#error "cpu_bf16_gemm needs AVX-512 (F, BW) and AVX-512 BF16"
+#endif
+
+namespace {
+
+constexpr int kTile = 16;     // output channels per tile: one 16-lane fp32 vector
+constexpr int kMaxRows = 8;   // activation rows per pass over the weights
+constexpr int kMaxTiles = 4;  // tiles per pass
+// Software prefetch distance along each tile's stream: a few cache lines ahead of the loads.
+constexpr int kPrefetchBytes = 8 * 64;
+
+using BF16 = c10::BFloat16;
+
+// Tiles per pass for R rows: as many independent accumulators as the 32 registers allow.
+constexpr int tiles_per_pass(int rows) { return rows <= 4 ? 4 : (rows == 5 ? 3 : 2); }
+
+inline __m512 load_bias(const BF16* bias, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// R rows x T tiles: w points at the first tile, tile_elems apart; out at column n0 of row 0.
+template <int R, int T>
+void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64_t ldx, const BF16* bias,
+          BF16* out, int64_t ldo, int64_t n0, int64_t n, bool prefetch) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  const char* wt[T];
+  for (int t = 0; t < T; ++t) wt[t] = reinterpret_cast<const char*>(w + t * tile_elems);
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[T];
+    for (int t = 0; t < T; ++t) {
+      // One cache line per tile and step: the prefetch runs ahead of exactly one stream line each.
+      if (prefetch) _mm_prefetch(wt[t] + p * 64 + kPrefetchBytes, _MM_HINT_T0);
+      wv[t] = _mm512_loadu_si512(wt[t] + p * 64);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, (__m512bh)wv[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t c0 = n0 + t * kTile;
+    const int64_t valid = std::min<int64_t>(kTile, n - c0);
+    const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b));
+      _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, (__m256i)rounded);
+    }
+  }
+}
+
+using PassFn = void (*)(const BF16*, int64_t, int64_t, const BF16*, int64_t, const BF16*, BF16*, int64_t, int64_t,
+                        int64_t, bool);
+
+template <int R>
+constexpr PassFn pass_for_tiles(int t) {
+  return t == 4 ? &pass<R, 4> : t == 3 ? &pass<R, 3> : t == 2 ? &pass<R, 2> : &pass<R, 1>;
+}
+
+PassFn pass_for(int rows, int tiles) {
+  switch (rows) {
+    case 8: return pass_for_tiles<8>(std::min(tiles, 2));
+    case 7: return pass_for_tiles<7>(std::min(tiles, 2));
+    case 6: return pass_for_tiles<6>(std::min(tiles, 2));
+    case 5: return pass_for_tiles<5>(std::min(tiles, 3));
+    case 4: return pass_for_tiles<4>(tiles);
+    case 3: return pass_for_tiles<3>(tiles);
+    case 2: return pass_for_tiles<2>(tiles);
+    default: return pass_for_tiles<1>(tiles);
+  }
+}
+
+void gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, const BF16* bias,
+          BF16* out, int64_t n) {
+  const int64_t tile_elems = pairs * 2 * kTile;
+  const int group = tiles_per_pass(static_cast<int>(std::min<int64_t>(m, kMaxRows)));
+  // Whole groups per thread where the layer is large enough; the small layers still split in two.
+  at::parallel_for(0, tiles, group, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += group) {
+      const int width = static_cast<int>(std::min<int64_t>(group, end - t0));
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
+        // Only the first row block streams the tiles from memory; later blocks find them in L2.
+        pass_for(rows, width)(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, bias, out + r0 * n, n,
+                              t0 * kTile, n, r0 == 0);
+      }
+    }
+  });
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return shape;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(), "bf16 linear: tensors must be on the CPU");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+                    "bf16 linear: x and the packed weights must be bfloat16, got ", x.scalar_type(), " and ",
+                    packed.scalar_type());
+  TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous(),
+                    "bf16 linear: packed weights must be contiguous [N/16, K/2, 16, 2] from kvserve's bf16 packing");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "bf16 linear: x must have at least one dimension");
+  const int64_t tiles = packed.size(0), pairs = packed.size(1), k = x.size(-1);
+  TORCH_CHECK_VALUE(k == 2 * pairs || k == 2 * pairs - 1, "bf16 linear: x has K = ", k, ", the weights ", 2 * pairs);
+  TORCH_CHECK_VALUE(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile,
+                    "bf16 linear: out_features ", out_features, " does not fit ", tiles, " tiles of ", kTile);
+  at::Tensor rows = x.reshape({-1, k}).contiguous();
+  if (k % 2 == 1) rows = at::constant_pad_nd(rows, {0, 1});  // the packed weights' zero column
+  at::Tensor out = at::empty({rows.size(0), out_features}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features, "bf16 linear: bias must be [",
+                      out_features, "], got ", bias->sizes());
+    b = bias->to(at::kBFloat16).contiguous();
+  }
+  if (rows.size(0) > 0) {
+    gemm(rows.data_ptr<BF16>(), rows.size(0), rows.size(1), packed.data_ptr<BF16>(), tiles, pairs,
+         b.defined() ? b.data_ptr<BF16>() : nullptr, out.data_ptr<BF16>(), out_features);
+  }
+  return out.view(out_shape(x, out_features));
+}
+
+at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = out_features;
+  return at::empty_symint(shape, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_bf16, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_bf16, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+
+TORCH_LIBRARY_IMPL(kvserve_bf16, Meta, m) { m.impl("bf16_linear", &bf16_linear_meta); }

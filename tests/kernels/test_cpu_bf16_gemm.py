@@ -1,0 +1,110 @@
+"""kvserve's few-row bf16 linear: packing round-trips; the op matches the float32 product of the
+same bf16 values within bf16's rounding on SmolLM2's shapes, odd N and K, 1..9, 17 and 64 rows,
+with and without bias; it stays one node under torch.compile; where the CPU lacks the
+instructions or the build fails, one log line and False, never an exception."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, load_bf16_gemm, pack_bf16, unpack_bf16
+
+needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
+# SmolLM2-135M's fused qkv, o, gate_up, down and lm_head (N x K), then odd ones (a partial tile, an odd K).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (17, 9), (40, 33), (1, 2)]
+ROWS = [*range(1, 10), 17, 64]
+
+
+def _case(n: int, k: int, rows: int, bias: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    b = torch.randn(n, generator=generator).to(torch.bfloat16) if bias else None
+    return weight, x, b
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.dtype == torch.bfloat16 and out.shape == expected.shape
+    # fp32 sums in another order, one rounding to bf16 (8 bits: 2^-8 relative) at the end.
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=1e-3 * (1 + expected.abs().max().item()))
+
+
+def test_packing_round_trips_with_zero_padding() -> None:
+    weight = torch.randn(17, 9).to(torch.bfloat16)
+    packed = pack_bf16(weight)
+    assert packed.shape == (2, 5, 16, 2) and packed.dtype == torch.bfloat16
+    assert torch.equal(unpack_bf16(packed, 17, 9), weight)
+    assert packed.float().abs().sum() == weight.float().abs().sum()  # the padding is zeros
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_float32_product(n: int, k: int, bias: bool) -> None:
+    rows_tried = ROWS if n * k <= 3072 * 576 else [1, 4, 9]  # lm_head: a few, for time
+    for rows in rows_tried:
+        weight, x, b = _case(n, k, rows, bias, seed=rows)
+        _check(bf16_linear(x, pack_bf16(weight), b, n), x, weight, b)
+
+
+@needs_kernel
+def test_leading_dimensions_zero_rows_and_bad_input() -> None:
+    weight, x, b = _case(40, 33, 6, bias=True)
+    packed = pack_bf16(weight)
+    out = bf16_linear(x.reshape(2, 3, 33), packed, b, 40)
+    assert out.shape == (2, 3, 40)
+    _check(out.reshape(6, 40), x, weight, b)
+    assert bf16_linear(x[:0], packed, b, 40).shape == (0, 40)
+    with pytest.raises(ValueError, match="K = 32"):
+        bf16_linear(x[:, :32], packed, b, 40)
+    with pytest.raises(ValueError, match="bfloat16"):
+        bf16_linear(x.float(), packed, b, 40)
+    with pytest.raises(ValueError, match="out_features 64"):
+        bf16_linear(x, packed, None, 64)
+    with pytest.raises(ValueError, match="bias must be"):
+        bf16_linear(x, packed, b[:3], 40)
+
+
+@needs_kernel
+def test_one_graph_node_under_torch_compile() -> None:
+    weight, _, b = _case(96, 64, 1, bias=True)
+    packed = pack_bf16(weight)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.silu(bf16_linear(x * 2, packed, b, 96))
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(forward, backend=backend, dynamic=True, fullgraph=True)
+    for rows in (2, 5):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert torch.equal(compiled(x), forward(x))
+    assert not torch._dynamo.utils.counters["graph_break"]
+    calls = [node for node in graphs[-1].graph.nodes if "kvserve_bf16.bf16_linear" in str(node.target)]
+    assert len(calls) == 1
+
+
+def test_a_cpu_without_avx512_bf16_uses_onednn_after_one_log_line(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvserve.kernels"):
+        assert load_bf16_gemm(tmp_path, flags=frozenset({"avx2", "avx512f", "avx512bw"})) is False
+    assert len(caplog.records) == 1 and "lacks avx512_bf16" in caplog.records[0].getMessage()
+    assert not list(tmp_path.iterdir())  # nothing was built
+
+
+def test_a_failed_build_uses_onednn_after_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    flags = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
+    with caplog.at_level(logging.INFO, logger="kvserve.kernels"):
+        assert load_bf16_gemm(tmp_path, compiler="no-such-c++-compiler", flags=flags) is False
+    assert len(caplog.records) == 1 and "oneDNN at every row count: no C++ compiler" in caplog.records[0].getMessage()
