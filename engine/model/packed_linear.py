@@ -31,7 +31,8 @@ from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, pack
 
 PACKABLE_DTYPES = (torch.bfloat16,)
 # Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (benchmarks/bf16_gemm.py:
-# 1.4-5x at 1-8 rows, level at 16, oneDNN's AMX ahead from 32).
+# its vector loop 1.5-2.5x at 1-4 rows, its AMX tiles ~1.2-3x at 5-8 and level or ahead up to 16;
+# at 32-64 rows oneDNN is level or ahead).
 FEW_ROWS_MAX = 8
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,

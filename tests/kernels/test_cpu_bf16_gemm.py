@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, load_bf16_gemm, pack_bf16, unpack_bf16
 
 needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
-# SmolLM2-135M's fused qkv, o, gate_up, down and lm_head (N x K), then odd ones (a partial tile, an odd K).
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (17, 9), (40, 33), (1, 2)]
+# SmolLM2-135M's fused qkv, o, gate_up, down and lm_head (N x K), then odd ones (a partial tile, an odd K,
+# K % 32 != 0: the vector loop at every row count; 17 x 64: AMX's partial tile where the CPU has AMX).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (17, 9), (40, 33), (1, 2),
+          (17, 64)]
 ROWS = [*range(1, 10), 17, 64]
 
 
