@@ -120,3 +120,10 @@ def pack_linear_weights(model: nn.Module, few_rows_kernel: bool | None = None) -
         for parent, name, child in targets:
             setattr(parent, name, PackedLinear.from_linear(child, few_rows_kernel))
     return len(targets)
+
+
+def few_rows_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the few-row kernel's weight copies in `model` (beside oneDNN's, which replace
+    the dense weights): memory that module.parameters() and buffers() do not count."""
+    return sum(m.few_rows_weight.numel() * m.few_rows_weight.element_size() for m in model.modules()
+               if isinstance(m, PackedLinear) and m.few_rows_weight is not None)

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from kvserve.engine.model.packed_linear import pack_linear_weights
+from kvserve.engine.model.packed_linear import few_rows_weight_bytes, pack_linear_weights
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.quantization import quantize_model
 
@@ -31,8 +31,13 @@ def quantize(model: CausalLM, quantization: str | None) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def prepack(model: CausalLM, device: torch.device) -> None:
-    """Step 2."""
-    if device.type == "cpu":
-        packed = pack_linear_weights(model)
-        logger.info("%d linear layers' weights prepacked for oneDNN", packed)
+def prepack(model: CausalLM, device: torch.device) -> int:
+    """Step 2; returns the bytes it added (the few-row kernel's copy of bf16 weights), which the
+    KV cache's budget must leave room for as for the weights."""
+    if device.type != "cpu":
+        return 0
+    packed = pack_linear_weights(model)
+    added = few_rows_weight_bytes(model)
+    logger.info("%d linear layers' weights prepacked for oneDNN%s", packed,
+                f", and for the few-row bf16 kernel (+{added / 2**20:.0f} MiB)" if added else "")
+    return added

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.model.llama import LlamaForCausalLM
-from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, PackedLinear, pack_linear_weights,
-                                                weight_packing_supported)
+from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, PackedLinear, few_rows_weight_bytes,
+                                                pack_linear_weights, weight_packing_supported)
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available
 from kvserve.engine.worker.kv_cache_sizing import kv_cache_config_for
 from kvserve.engine.model_runner import ModelRunner
@@ -82,6 +82,16 @@ def test_pack_linear_weights_packs_every_bf16_linear_and_no_float32_one() -> Non
     assert pack_linear_weights(model) == 4 * CONFIG.num_layers + 1  # qkv, o, gate_up, down; lm_head
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, PackedLinear)
+
+
+def test_the_few_row_copies_are_counted_for_the_memory_budget() -> None:
+    model = _model(torch.bfloat16)
+    pack_linear_weights(model, few_rows_kernel=False)
+    assert few_rows_weight_bytes(model) == 0
+    model = _model(torch.bfloat16)
+    dense = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
+    pack_linear_weights(model, few_rows_kernel=True)
+    assert few_rows_weight_bytes(model) >= dense  # the same weights, zero-padded to whole tiles
 
 
 def _runner(packed: bool, compiled: bool, few_rows_kernel: bool | None = None) -> ModelRunner:
