@@ -88,6 +88,17 @@ def default_kv_cache_bytes(device: torch.device, weights_bytes: int, min_kv_byte
     return budget
 
 
+def cpu_memory_headroom(weights_bytes: int, sources: MemorySources = MemorySources()) -> int | None:
+    """Bytes this process may still take on CPU once its weights are loaded: under a cgroup limit,
+    the limit less the weights and the runtime overhead (fixed quantities, as for the KV budget);
+    else MemAvailable now. None where neither is known."""
+    limit = cgroup_memory_limit(sources)
+    total = _meminfo_bytes(sources.meminfo, "MemTotal:")
+    if limit is not None and (total is None or limit < total):
+        return max(limit - weights_bytes - CPU_RUNTIME_OVERHEAD_BYTES, 0)
+    return _meminfo_bytes(sources.meminfo, "MemAvailable:")
+
+
 def cgroup_memory_limit(sources: MemorySources = MemorySources()) -> int | None:
     """The tightest memory limit over this process's cgroup and its ancestors (v2 memory.max,
     else v1 memory.limit_in_bytes), or None when there is none."""

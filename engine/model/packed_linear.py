@@ -114,12 +114,22 @@ def pack_linear_weights(model: nn.Module, few_rows_kernel: bool | None = None) -
     """Replaces every nn.Linear of `model` whose weight oneDNN can pack by a PackedLinear, in
     place. Run it after any quantization (which swaps nn.Linear for its own modules) and before
     compiling. Returns how many layers were packed. `few_rows_kernel` as in PackedLinear.from_linear."""
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and weight_packing_supported(child.weight.dtype, child.weight.device)]
+    targets = _packing_targets(model)
     with torch.inference_mode():
         for parent, name, child in targets:
             setattr(parent, name, PackedLinear.from_linear(child, few_rows_kernel))
     return len(targets)
+
+
+def _packing_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear and weight_packing_supported(child.weight.dtype, child.weight.device)]
+
+
+def packable_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the weights pack_linear_weights would pack: what the few-row kernel's copies
+    of them would add."""
+    return sum(child.weight.numel() * child.weight.element_size() for _, _, child in _packing_targets(model))
 
 
 def few_rows_weight_bytes(model: nn.Module) -> int:

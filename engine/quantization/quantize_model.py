@@ -41,6 +41,12 @@ OUTPUT_LAYER_MODE = {"int8": "int8", "int4": "int8"}
 # tensor-parallel shard computes what the unsharded layer does up to float32 summation order).
 # An environment variable because every tensor-parallel worker process reads it.
 KERNEL_ENV = "KVSERVE_QUANT_KERNEL"
+# torch's ops unless asked: on a quiet machine single-stream int4 decode ran level on both
+# (median per-round ratio 1.00x over 3 alternating rounds of benchmarks/int4_single_stream.py,
+# both 1.31-1.32x llama.cpp's llama-bench on the same GGUF: the 66 MB of int4 layers come from
+# memory either way), and the kernels' int8-rounded activations move further from bf16 (mean KL
+# 0.0070 against 0.0040 nat/token, benchmarks/quant_accuracy.py).
+DEFAULT_KERNEL = "torch"
 # The output layer, or its inner linear under tensor parallelism (engine/model/parallel_layers.py).
 OUTPUT_LAYER_NAMES = ("lm_head", "lm_head.linear")
 
@@ -73,13 +79,13 @@ def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None
     `output_layer_mode` (default: OUTPUT_LAYER_MODE[mode]); int4 layers get groups of
     `int4_group_size` along K; every layer gets the few-row matmul `kernel` ("auto": kvserve's
     VNNI kernels where they run, else torch's ops; "vnni"; "torch"; None: $KVSERVE_QUANT_KERNEL,
-    else "auto"). Returns what was converted."""
+    else DEFAULT_KERNEL). Returns what was converted."""
     if mode not in _CONVERTERS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {mode!r}")
     head_mode = output_layer_mode or OUTPUT_LAYER_MODE[mode]
     if head_mode not in _CONVERTERS:
         raise ValueError(f"output layer quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {head_mode!r}")
-    kernel = kernel or os.environ.get(KERNEL_ENV) or "auto"
+    kernel = kernel or os.environ.get(KERNEL_ENV) or DEFAULT_KERNEL
     if kernel not in KERNELS:
         raise ValueError(f"quantized kernel ({KERNEL_ENV}) must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if int4_group_size not in GROUP_SIZES:

@@ -17,9 +17,11 @@ import logging
 
 import torch
 
-from kvserve.engine.model.packed_linear import few_rows_weight_bytes, pack_linear_weights
+from kvserve.engine.kv_memory import MemorySources, cpu_memory_headroom
+from kvserve.engine.model.packed_linear import few_rows_weight_bytes, pack_linear_weights, packable_weight_bytes
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.quantization import quantize_model
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +33,29 @@ def quantize(model: CausalLM, quantization: str | None) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def prepack(model: CausalLM, device: torch.device) -> int:
+# The few-row bf16 kernel keeps a second copy of the weights beside oneDNN's: 256 MiB for
+# SmolLM2-135M, but 14 GB for a 7B model, which would not fit beside its first copy on many
+# machines. The copy is made only while it takes at most this share of the memory left after the
+# weights (the share the KV cache takes by default); bigger models run oneDNN at every row count.
+FEW_ROWS_COPY_MAX_SHARE = 0.25
+
+
+def prepack(model: CausalLM, device: torch.device, weights_bytes: int,
+            memory_sources: MemorySources = MemorySources()) -> int:
     """Step 2; returns the bytes it added (the few-row kernel's copy of bf16 weights), which the
     KV cache's budget must leave room for as for the weights."""
     if device.type != "cpu":
         return 0
-    packed = pack_linear_weights(model)
+    few_rows = bf16_gemm_available()
+    if few_rows:
+        copy_bytes, headroom = packable_weight_bytes(model), cpu_memory_headroom(weights_bytes, memory_sources)
+        few_rows = headroom is not None and copy_bytes <= FEW_ROWS_COPY_MAX_SHARE * headroom
+        if not few_rows:
+            logger.info("few-row bf16 kernel off: its copy of the weights (%.2f GiB) would take more than "
+                        "%.0f%% of the %s left after them; oneDNN serves every row count",
+                        copy_bytes / 2**30, 100 * FEW_ROWS_COPY_MAX_SHARE,
+                        "memory" if headroom is None else f"{headroom / 2**30:.2f} GiB")
+    packed = pack_linear_weights(model, few_rows_kernel=few_rows)
     added = few_rows_weight_bytes(model)
     logger.info("%d linear layers' weights prepacked for oneDNN%s", packed,
                 f", and for the few-row bf16 kernel (+{added / 2**20:.0f} MiB)" if added else "")

@@ -4,6 +4,8 @@ bf16 nn.Linear and leaves float32 models alone."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,8 +13,11 @@ from torch import nn
 
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, PackedLinear, few_rows_weight_bytes,
-                                                pack_linear_weights, weight_packing_supported)
+                                                pack_linear_weights, packable_weight_bytes, weight_packing_supported)
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available
+from kvserve.engine.kv_memory import CPU_RUNTIME_OVERHEAD_BYTES
+from kvserve.engine.worker.model_preparation import prepack
+from tests.engine.test_kv_memory import host
 from kvserve.engine.worker.kv_cache_sizing import kv_cache_config_for
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.kernels import TorchAttentionBackend
@@ -92,6 +97,31 @@ def test_the_few_row_copies_are_counted_for_the_memory_budget() -> None:
     dense = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
     pack_linear_weights(model, few_rows_kernel=True)
     assert few_rows_weight_bytes(model) >= dense  # the same weights, zero-padded to whole tiles
+
+
+@pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
+def test_prepack_keeps_the_few_row_copy_only_where_memory_is_plentiful(tmp_path, caplog) -> None:
+    dense = packable_weight_bytes(_model(torch.bfloat16))
+    # The copy within a quarter of what is left after the weights: made, and counted (meminfo is in kB).
+    (tmp_path / "roomy").mkdir()
+    model = _model(torch.bfloat16)
+    added = prepack(model, torch.device("cpu"), dense, host(tmp_path / "roomy", available=8 * dense))
+    assert added == few_rows_weight_bytes(model) >= dense
+    # A model whose copy would take more (a 7B's is 14 GB): oneDNN only, nothing added, said once.
+    (tmp_path / "tight").mkdir()
+    model = _model(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.worker.model_preparation"):
+        added = prepack(model, torch.device("cpu"), dense, host(tmp_path / "tight", available=3 * dense))
+    assert added == 0 and few_rows_weight_bytes(model) == 0
+    assert all(m.few_rows_weight is None for m in model.modules() if isinstance(m, PackedLinear))
+    assert "few-row bf16 kernel off" in caplog.text
+    # Under a cgroup limit the headroom is the limit less the weights and the runtime overhead.
+    (tmp_path / "cgroup").mkdir()
+    limit = dense + CPU_RUNTIME_OVERHEAD_BYTES + 3 * dense
+    model = _model(torch.bfloat16)
+    added = prepack(model, torch.device("cpu"), dense,
+                    host(tmp_path / "cgroup", available=1 << 40, files={"memory.max": f"{limit}\n"}))
+    assert added == 0
 
 
 def _runner(packed: bool, compiled: bool, few_rows_kernel: bool | None = None) -> ModelRunner:
