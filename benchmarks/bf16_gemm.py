@@ -104,10 +104,12 @@ def decode_llm(few_rows_kernel: bool):
         return LLM(dtype="bfloat16", enable_prefix_caching=False, num_kv_blocks=64, max_model_len=512)
 
 
-def decode_ms_per_token(llm, tokens: int) -> float:
+def decode_ms_per_token(llm, tokens: int, prompt_len: int = 32) -> float:
+    """ms per output token of one greedy stream: a (tokens + 1)-token generation of a prompt
+    less a 1-token one, over `tokens` (the prompt's prefill cancels out)."""
     from kvserve.engine import SamplingParams
 
-    prompt = list(range(100, 132))
+    prompt = list(range(100, 100 + prompt_len))
     seconds = {}
     for count in (1, tokens + 1):
         params = SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True)

@@ -20,17 +20,17 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bf16_gemm import decode_ms_per_token  # noqa: E402
 from peers import peers_dir  # noqa: E402
 from run_all import DEFAULT_GGUF  # noqa: E402
 
-from kvserve.engine import LLM, SamplingParams  # noqa: E402
+from kvserve.engine import LLM  # noqa: E402
 from kvserve.engine.quantization import quantize_model  # noqa: E402
 from kvserve.engine.worker import model_preparation  # noqa: E402
 
@@ -44,14 +44,7 @@ def kvserve_llm(kernel: str, gguf: Path) -> LLM:
 
 
 def kvserve_ms_per_token(llm: LLM, tokens: int) -> float:
-    prompt = list(range(100, 164))
-    seconds = {}
-    for count in (1, tokens + 1):
-        params = SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True)
-        started = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
-        seconds[count] = time.perf_counter() - started
-    return (seconds[tokens + 1] - seconds[1]) / tokens * 1e3
+    return decode_ms_per_token(llm, tokens, prompt_len=64)
 
 
 def llama_ms_per_token(binary: Path, gguf: Path, tokens: int, threads: int) -> float:
