@@ -2,7 +2,7 @@
 
     python benchmarks/bf16_gemm.py [--repeats 5] [--rounds 3] [--tokens 128] [--skip-decode]
 
-1. Per SmolLM2-135M weight shape (model_shapes.ALL_SHAPES) at 1, 2, 4, 8, 16, 32 and 64 rows:
+1. Per SmolLM2-135M weight shape (model_shapes.ALL_SHAPES) at 1, 2, 4, ..., 256 rows:
    microseconds per matmul and the weights' GB/s (bytes / time) of kvserve_bf16.bf16_linear and of
    mkldnn._linear_pointwise on prepacked weights (what kvserve's bf16 layers ran before), each
    timed over enough separate copies of the matrix (>= --stream-mb) that the weights stream from
@@ -35,7 +35,7 @@ from model_shapes import ALL_SHAPES, WeightShape  # noqa: E402
 from kvserve.engine.model.packed_linear import pack_linear_weights, packed_linear  # noqa: E402
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, pack_bf16  # noqa: E402
 
-ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KERNELS = ("kvserve", "oneDNN")
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import FP8_KV_DTYPE, TorchAttentionBackend, custom_ops, paged_attention
+from kvserve.kernels import FP8_KV_DTYPE, AttentionMetadata, TorchAttentionBackend, custom_ops, paged_attention
 from kvserve.kernels.cpu_attention import cpu_kernel_available
 from kvserve.kernels.cpu_kernel_build import SOURCE, build_library, default_cache_dir
 from kvserve.kernels.torch_attention import torch_paged_attention
@@ -214,14 +214,17 @@ def run_cpu_calls(baseline: str | None) -> None:
         turn = iter(range(1 << 62))
 
         def served() -> None:
-            key, value, slots, args, hints = steps[next(turn) % len(steps)]
-            backend.write_kv_cache(key, value, args[1], args[2], slots)
-            backend.paged_attention(*args, **hints)
+            key, value, slots, (query, key_cache, value_cache, tables, seq_lens, starts, scale), hints = \
+                steps[next(turn) % len(steps)]
+            meta = backend.prepare(AttentionMetadata(slots, tables, seq_lens, starts, **hints))
+            backend.write_kv_cache(key, value, (key_cache, value_cache), meta)
+            backend.paged_attention(query, (key_cache, value_cache), meta, scale)
 
         def python_op() -> None:
             key, value, slots, args, hints = steps[next(turn) % len(steps)]
-            custom_ops.torch_write_kv_cache(key, value, args[1], args[2], slots, None, None, False)
-            custom_ops.torch_paged_attention(*args, hints["max_query_len"], hints["max_seq_len"], decodes, None, None, 0, 0.0, False)
+            custom_ops.torch_write_kv_cache(key, value, args[1], args[2], slots, None, None, None, None, False)
+            custom_ops.torch_paged_attention(*args, hints["max_query_len"], hints["max_seq_len"], decodes, None, None, 0, 0.0,
+                                             None, None, False)
 
         def ops(namespace=torch.ops.kvserve_cpu) -> None:
             key, value, slots, (query, key_cache, value_cache, tables, seq_lens, starts, scale), _ = steps[next(turn) % len(steps)]

@@ -6,7 +6,8 @@ Every timer wraps an existing call of the real engine (LLM with the default CPU 
 compiled forward); no engine code changes. Categories (exclusive; milliseconds per step, mean of
 --steps steps):
   linear layers      the matmul ops of every linear layer, lm_head included (torch profiler events:
-                     packed_linear, mm, addmm, linear, the int8/int4 weight-only ops)
+                     packed_linear, mm, addmm, linear, kvserve's bf16 and int8/int4 kernels, torch's
+                     weight-only ops)
   attention          the attention backend's write_kv_cache + paged_attention ops (profiler events)
   other model ops    the model forward minus the two above: embedding, norms, rope, SiLU, residuals
                      (in the compiled forward: inductor's fused kernels and the graph's glue)
@@ -74,7 +75,8 @@ class Timers:
 ATTENTION_OP_PREFIXES = ("kvserve::", "kvserve_cpu::")
 LINEAR_OPS = frozenset({"kvserve_linear::packed_linear", "mkldnn::_linear_pointwise", "aten::linear", "aten::mm",
                         "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
-                        "aten::_weight_int4pack_mm_for_cpu"})
+                        "aten::_weight_int4pack_mm_for_cpu", "kvserve_bf16::bf16_linear",
+                        "kvserve_quant::int4_gemm", "kvserve_quant::int8_gemm"})
 
 
 def op_category(name: str) -> str | None:

@@ -21,8 +21,10 @@ from kvserve.engine.compilation import bind_compiled_graphs, compile_layers, mar
 from kvserve.engine.input_batch import CachedRequestState, InputBatch
 from kvserve.engine.kv_cache_tensors import KVCacheTensors
 from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.packed_linear import FEW_ROWS_MAX
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
+from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
 from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
 from kvserve.engine.spec_decode.verification import num_kept
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
@@ -180,11 +182,12 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Runs the forward on the kinds of step that get their own compiled graph: one token,
         several requests with a decode and a prompt chunk, and the same with more rows than the
-        layers' few-row kernels take (bf16 and int8 layers branch on the row count at 8 and 16),
-        so that no step compiles while serving. Writes only into block 0, which holds nothing
-        yet. Compiled, the first warm-up then binds the layers straight to their compiled graphs
+        layers' few-row kernels take (bf16 and int8 layers branch on the row count: FEW_ROWS_MAX,
+        PACKED_MAX_ROWS), so that no step compiles while serving. Writes only into block 0, which
+        holds nothing yet. Compiled, the first warm-up then binds the layers straight to their compiled graphs
         (compilation.bind_compiled_graphs)."""
-        forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2], [1] * 16 + [2])]
+        wide_chunk = max(2, FEW_ROWS_MAX + 1 - 16, PACKED_MAX_ROWS + 1 - 16)
+        forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2], [1] * 16 + [wide_chunk])]
         if self.compiled and not self.graphs_bound:
             self.graphs_bound = bind_compiled_graphs(self.model, forwards)
         else:
@@ -192,7 +195,8 @@ class ModelRunner:
                 forward()
 
     def _warm_up_forward(self, query_lens: list[int]) -> None:
-        tables = [[[0]] * len(query_lens) for _ in self.kv_cache_config.groups]
+        # Every position of a request maps to block 0 (a chunk longer than a block writes its slots again).
+        tables = [[[0] * -(-n // self.block_size) for n in query_lens] for _ in self.kv_cache_config.groups]
         flat = build_flat_batch(query_lens, [0] * len(query_lens), tables, self.block_size, self.device,
                                 self.group_windows)
         metadata = [self.attention.prepare(meta) for meta in flat.group_metadata]

@@ -1,9 +1,10 @@
-"""kvserve's bf16 linear for few rows (csrc/cpu_bf16_gemm.cpp) as Python functions: packing, the op.
+"""kvserve's bf16 linear for decode steps (csrc/cpu_bf16_gemm.cpp) as Python functions: packing, the op.
 
 torch.ops.kvserve_bf16.bf16_linear(x [..., K] bf16, packed, bias [N] or None, N) -> [..., N] bf16:
 weights packed once (pack_bf16) into tiles of 16 output channels x pairs of inputs, multiplied by
 AVX-512 BF16 `vdpbf16ps` with fp32 sums, streaming the weights at memory bandwidth where oneDNN's
-prepacked matmul does not (1-16 rows; benchmarks/bf16_gemm.py). A torch library op with a Meta
+prepacked matmul does not (1-16 rows), with AMX tiles above that (faster than oneDNN up to ~128
+rows; benchmarks/bf16_gemm.py). A torch library op with a Meta
 implementation, so a compiled forward keeps each call as one graph node.
 
 It needs AVX-512 (F, BW) with BF16, checked against /proc/cpuinfo before anything is built, and a

@@ -15,9 +15,10 @@ torch.compile keeps as one node. float32 models keep plain nn.Linear: their exac
 transformers is tested, and oneDNN's packed fp32 path would be a different kernel.
 
 At few rows (a single stream, a handful of decodes) oneDNN's packed matmul reads the weights at
-a third of the memory bandwidth; there kvserve's own AVX-512 BF16 kernel (kernels/cpu_bf16_gemm.py)
-runs from a second copy of the weights in its own layout, and oneDNN (AMX) keeps the larger row
-counts. The two round the same fp32 sums to bf16 but add them in another order: results agree
+a third of the memory bandwidth, and up to ~128 rows (decode steps) kvserve's own kernel's AMX
+blocking is faster too; there kvserve's AVX-512 BF16 / AMX kernel (kernels/cpu_bf16_gemm.py) runs
+from a second copy of the weights in its own layout, and oneDNN keeps the larger row counts (prompt
+chunks). The two round the same fp32 sums to bf16 but add them in another order: results agree
 to bf16's last bit, not bit for bit. The compiled graph branches on the row count, as the
 quantized layers' graphs do.
 """
@@ -30,10 +31,11 @@ from torch import nn
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, pack_bf16
 
 PACKABLE_DTYPES = (torch.bfloat16,)
-# Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (benchmarks/bf16_gemm.py:
-# its vector loop 1.5-2.5x at 1-4 rows, its AMX tiles ~1.2-3x at 5-8 and level or ahead up to 16;
-# at 32-64 rows oneDNN is level or ahead).
-FEW_ROWS_MAX = 8
+# Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (quiet machine, the
+# model's shapes with the weights streaming from memory, interleaved: its vector loop 1.3-1.6x at
+# 1-4 rows, its AMX tiles 1.4-1.6x at 8-16, 1.2-1.3x at 32-64 and 1.0-1.2x at 96-128 on the layers;
+# past ~160 rows, prompt chunks, oneDNN's blocking wins). The lm_head is level at 64 and 0.84x at 128.
+FEW_ROWS_MAX = 128
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,
 # on import. Library.define/impl rather than @custom_op, whose per-call checks cost ~20 us: a

@@ -1,4 +1,4 @@
-// bf16 x bf16 -> bf16 linear layers at few rows (decode steps) on AVX-512 BF16, at memory bandwidth.
+// bf16 x bf16 -> bf16 linear layers for decode steps (1-128 rows) on AVX-512 BF16 and AMX.
 //
 // At 1-16 rows a linear layer is a pass over its weights: each weight is used by a handful of
 // rows only, so the time is the bytes read over the memory bandwidth. oneDNN's prepacked bf16
@@ -13,7 +13,10 @@
 // up to kMaxRows rows; more rows loop over row blocks while the tiles are still in L2. Threads split
 // the tiles (at::parallel_for over N). fp32 accumulation; the bias is added in fp32; the result is
 // rounded to bf16 once, to nearest even (as torch rounds). Above 4 rows, on CPUs with AMX, the same
-// layout feeds tile multiplies instead (amx_gemm below).
+// layout feeds tile multiplies instead (amx_gemm below): 5-16 rows as one row block against 4
+// channel tiles at a time, more rows in blocks of 32 rows x 32 channels (2 x 2 tiles). Up to ~128
+// rows that beats oneDNN's prepacked matmul on the model's shapes; prompt chunks stay on oneDNN
+// (engine/model/packed_linear.py: FEW_ROWS_MAX).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -194,27 +197,132 @@ void amx_pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, i
   }
 }
 
+// Above 16 rows: blocks of 32 rows x 32 channels, the C sums in tiles 0-3 (rows ra of the first
+// 16-row half: 0, 1; rb of the second: 2, 3), x's two halves in 4 and 5, two channel tiles of B in
+// 6 and 7. Each tile loaded feeds two multiplies: the 1 x 4 pass above loads 5 tiles for 4, and past
+// its first row block those are the weights again, from L2 (measured: that reload, not the
+// multiplies, set the time of the extra row blocks).
+TileConfig tile_config_2x2(int ra, int rb) {
+  TileConfig c;
+  const int rows[8] = {ra, ra, rb, rb, ra, rb, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows[t]);
+    c.colsb[t] = 64;
+  }
+  return c;
+}
+
+void store_tile_rows(const float* sums, int rows, const BF16* bias, BF16* out, int64_t ldo, int64_t c0, int64_t n) {
+  const int64_t valid = std::min<int64_t>(kTile, n - c0);
+  if (valid <= 0) return;
+  const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 bv = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + r * 16), bv);
+    _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
+// One 32-row x 32-channel block (rb == 0: 16 rows or fewer; width 1: one channel tile).
+void amx_block_2x2(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64_t ldx, int ra, int rb,
+                   int width, const BF16* bias, BF16* out, int64_t ldo, int64_t n0, int64_t n, float* scratch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const char* b0 = reinterpret_cast<const char*>(w);
+  const char* b1 = b0 + tile_elems * 2;
+  const BF16* x1 = x + 16 * ldx;
+  const int64_t steps = pairs / 16;
+  if (rb > 0 && width > 1) {
+    for (int64_t kb = 0; kb < steps; ++kb) {
+      _tile_loadd(4, x + kb * 32, ldx * 2);
+      _tile_loadd(6, b0 + kb * 1024, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, x1 + kb * 32, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, b1 + kb * 1024, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  } else {
+    for (int64_t kb = 0; kb < steps; ++kb) {
+      _tile_loadd(4, x + kb * 32, ldx * 2);
+      _tile_loadd(6, b0 + kb * 1024, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (rb > 0) {
+        _tile_loadd(5, x1 + kb * 32, ldx * 2);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      if (width > 1) {
+        _tile_loadd(7, b1 + kb * 1024, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+    }
+  }
+  // scratch: [4 tiles][16 rows][16] fp32
+  _tile_stored(0, scratch, 64);
+  store_tile_rows(scratch, ra, bias, out, ldo, n0, n);
+  if (width > 1) {
+    _tile_stored(1, scratch + 256, 64);
+    store_tile_rows(scratch + 256, ra, bias, out, ldo, n0 + kTile, n);
+  }
+  if (rb > 0) {
+    _tile_stored(2, scratch + 512, 64);
+    store_tile_rows(scratch + 512, rb, bias, out + 16 * ldo, ldo, n0, n);
+    if (width > 1) {
+      _tile_stored(3, scratch + 768, 64);
+      store_tile_rows(scratch + 768, rb, bias, out + 16 * ldo, ldo, n0 + kTile, n);
+    }
+  }
+}
+
+// Rows per chunk above 16 rows: a chunk's x (256 rows x K bf16: 288 KB at K = 576, 768 KB at
+// 1536) stays in L2 while every channel pair of the thread's share passes over it.
+constexpr int64_t kRowChunk = 256;
+
 void amx_gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, const BF16* bias,
               BF16* out, int64_t n) {
   const int64_t tile_elems = pairs * 2 * kTile;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float scratch[4 * 256];
-    int configured = 0;
-    // Tiles outer, row blocks inner: a group's 4 tiles come from memory once, later blocks find them in L2.
-    for (int64_t t0 = begin; t0 < end; t0 += 4) {
-      const int width = static_cast<int>(std::min<int64_t>(4, end - t0));
-      for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m - r0));
-        if (rows != configured) {
-          const TileConfig config = tile_config(rows);
-          _tile_loadconfig(&config);
-          configured = rows;
-        }
-        amx_pass(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, rows, width, bias, out + r0 * n, n,
+  if (m <= kAmxRows) {
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      alignas(64) float scratch[4 * 256];
+      const TileConfig config = tile_config(static_cast<int>(m));
+      _tile_loadconfig(&config);
+      for (int64_t t0 = begin; t0 < end; t0 += 4) {
+        const int width = static_cast<int>(std::min<int64_t>(4, end - t0));
+        amx_pass(w + t0 * tile_elems, tile_elems, pairs, x, ldx, static_cast<int>(m), width, bias, out, n,
                  t0 * kTile, n, scratch);
       }
+      _tile_release();
+    });
+    return;
+  }
+  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
+    alignas(64) float scratch[4 * 256];
+    int configured_ra = -1, configured_rb = -1;
+    for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+      const int64_t chunk_end = std::min<int64_t>(m, c0 + kRowChunk);
+      // Channel pairs outer, row blocks inner: a pair's weights come from memory once per chunk,
+      // later row blocks find them in L2.
+      for (int64_t t0 = begin; t0 < end; t0 += 2) {
+        const int width = static_cast<int>(std::min<int64_t>(2, end - t0));
+        for (int64_t r0 = c0; r0 < chunk_end; r0 += 32) {
+          const int ra = static_cast<int>(std::min<int64_t>(16, chunk_end - r0));
+          const int rb = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, chunk_end - r0 - 16)));
+          if (ra != configured_ra || rb != configured_rb) {
+            // Unused tiles get one row: a configured tile may not have zero rows.
+            const TileConfig config = tile_config_2x2(ra, std::max(rb, 1));
+            _tile_loadconfig(&config);
+            configured_ra = ra;
+            configured_rb = rb;
+          }
+          amx_block_2x2(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, ra, rb, width, bias,
+                        out + r0 * n, n, t0 * kTile, n, scratch);
+        }
+      }
     }
-    if (configured > 0) _tile_release();
+    if (configured_ra >= 0) _tile_release();
   });
 }
 #endif

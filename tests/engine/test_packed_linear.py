@@ -50,7 +50,7 @@ def test_packed_linear_equals_f_linear_bit_for_bit_on_onednn(rows, bias) -> None
 
 
 @pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
-@pytest.mark.parametrize("rows", [(1,), (FEW_ROWS_MAX,), (2, 3), (FEW_ROWS_MAX + 1,), (64,)])
+@pytest.mark.parametrize("rows", [(1,), (8,), (2, 3), (64,), (2, 40), (FEW_ROWS_MAX,), (FEW_ROWS_MAX + 1,)])
 def test_the_few_row_kernel_agrees_with_onednn_to_bf16s_last_bit(rows) -> None:
     linear = _linear(bias=True)
     x = torch.randn(*rows, 64).to(torch.bfloat16)

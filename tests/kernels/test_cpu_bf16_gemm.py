@@ -1,6 +1,7 @@
 """kvserve's few-row bf16 linear: packing round-trips; the op matches the float32 product of the
-same bf16 values within bf16's rounding on SmolLM2's shapes, odd N and K, 1..9, 17 and 64 rows,
-with and without bias; it stays one node under torch.compile; where the CPU lacks the
+same bf16 values within bf16's rounding on SmolLM2's shapes, odd N and K, 1..9 rows and the edges of
+the AMX paths' row blocks (16, 17, 31-33, 64, 100, 128, 257 and 300: past a 256-row chunk), with and
+without bias; it stays one node under torch.compile; where the CPU lacks the
 instructions or the build fails, one log line and False, never an exception."""
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, load
 
 needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
 # SmolLM2-135M's fused qkv, o, gate_up, down and lm_head (N x K), then odd ones (a partial tile, an odd K,
-# K % 32 != 0: the vector loop at every row count; 17 x 64: AMX's partial tile where the CPU has AMX).
+# K % 32 != 0: the vector loop at every row count; 17 x 64: AMX's partial tile where the CPU has AMX;
+# 48 x 64: three channel tiles, so the 32-row blocks' last channel pair has one tile).
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (17, 9), (40, 33), (1, 2),
-          (17, 64)]
-ROWS = [*range(1, 10), 17, 64]
+          (17, 64), (48, 64)]
+ROWS = [*range(1, 10), 16, 17, 31, 32, 33, 64, 100, 128, 257, 300]
 
 
 def _case(n: int, k: int, rows: int, bias: bool, seed: int = 0):
@@ -49,7 +51,7 @@ def test_packing_round_trips_with_zero_padding() -> None:
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_the_float32_product(n: int, k: int, bias: bool) -> None:
-    rows_tried = ROWS if n * k <= 3072 * 576 else [1, 4, 9]  # lm_head: a few, for time
+    rows_tried = ROWS if n * k <= 3072 * 576 else [1, 4, 9, 33, 128]  # lm_head: a few, for time
     for rows in rows_tried:
         weight, x, b = _case(n, k, rows, bias, seed=rows)
         _check(bf16_linear(x, pack_bf16(weight), b, n), x, weight, b)
