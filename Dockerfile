@@ -105,9 +105,14 @@ FROM ${PYTHON_IMAGE} AS runtime
 # torch's and Python's headers; without them kvserve runs the forward eagerly, about half as fast)
 # and, on GPUs, Triton's launcher (C against Python's headers). Installed only where the base image
 # lacks them: python:3.11-slim has Python's headers but no compiler (+~200 MB); python:3.11 has both.
+# And tcmalloc (Debian's libtcmalloc-minimal4, <1 MB), preloaded below as vLLM's CPU image preloads
+# it: kvserve on the host made 1.13x its glibc-malloc throughput with it (benchmarks/offline_ab.py),
+# and benchmarks/run_all.py and image_bench.py run the host's kvserve with it.
 # hadolint ignore=DL3008,SC2086
 RUN missing=""; \
     command -v g++ >/dev/null || missing="g++"; \
+    python3 -c "import ctypes.util, sys; sys.exit(ctypes.util.find_library('tcmalloc_minimal') is None)" \
+        || missing="$missing libtcmalloc-minimal4"; \
     python3 -c "import pathlib, sys, sysconfig; sys.exit(not (pathlib.Path(sysconfig.get_path('include')) / 'Python.h').is_file())" \
         || missing="$missing python3-dev"; \
     if [ -n "$missing" ]; then \
@@ -127,7 +132,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \
-    KVSERVE_CACHE=/home/kvserve/.cache/kvserve
+    KVSERVE_CACHE=/home/kvserve/.cache/kvserve \
+    LD_PRELOAD=libtcmalloc_minimal.so.4
 
 # The big layer (cached across code changes), then the small one with kvserve itself.
 COPY --from=deps /opt/venv /opt/venv
