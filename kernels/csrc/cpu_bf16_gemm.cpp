@@ -52,6 +52,12 @@ using BF16 = c10::BFloat16;
 // Tiles per pass for R rows: as many independent accumulators as the 32 registers allow.
 constexpr int tiles_per_pass(int rows) { return rows <= 4 ? 4 : (rows == 5 ? 3 : 2); }
 
+// The lanes of the channel tile starting at column c0 that hold one of the n real channels.
+inline __mmask16 channel_mask(int64_t c0, int64_t n) {
+  const int64_t valid = std::min<int64_t>(kTile, n - c0);
+  return valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+}
+
 inline __m512 load_bias(const BF16* bias, __mmask16 mask) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -82,8 +88,7 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64
   }
   for (int t = 0; t < T; ++t) {
     const int64_t c0 = n0 + t * kTile;
-    const int64_t valid = std::min<int64_t>(kTile, n - c0);
-    const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 mask = channel_mask(c0, n);
     const __m512 b = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b));
@@ -153,6 +158,18 @@ bool amx_usable() {
   return usable;
 }
 
+// A tile's fp32 sums (rows x 16, as _tile_stored wrote them) plus the bias, rounded to bf16 into
+// columns c0.. of `rows` rows of out (only the real channels).
+void store_tile_rows(const float* sums, int rows, const BF16* bias, BF16* out, int64_t ldo, int64_t c0, int64_t n) {
+  if (c0 >= n) return;
+  const __mmask16 mask = channel_mask(c0, n);
+  const __m512 bv = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + r * 16), bv);
+    _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
 // `width` (1-4) tiles from tile t0 for `rows` rows (the configured ones) into out.
 void amx_pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64_t ldx, int rows, int width,
               const BF16* bias, BF16* out, int64_t ldo, int64_t n0, int64_t n, float* scratch) {
@@ -185,16 +202,7 @@ void amx_pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, i
   if (width > 1) _tile_stored(1, scratch + 256, 64);
   if (width > 2) _tile_stored(2, scratch + 512, 64);
   if (width > 3) _tile_stored(3, scratch + 768, 64);
-  for (int t = 0; t < width; ++t) {
-    const int64_t c0 = n0 + t * kTile;
-    const int64_t valid = std::min<int64_t>(kTile, n - c0);
-    const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 bv = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-      const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(scratch + t * 256 + r * 16), bv);
-      _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, (__m256i)_mm512_cvtneps_pbh(sum));
-    }
-  }
+  for (int t = 0; t < width; ++t) store_tile_rows(scratch + t * 256, rows, bias, out, ldo, n0 + t * kTile, n);
 }
 
 // Above 16 rows: blocks of 32 rows x 32 channels, the C sums in tiles 0-3 (rows ra of the first
@@ -212,17 +220,6 @@ TileConfig tile_config_2x2(int ra, int rb) {
   return c;
 }
 
-void store_tile_rows(const float* sums, int rows, const BF16* bias, BF16* out, int64_t ldo, int64_t c0, int64_t n) {
-  const int64_t valid = std::min<int64_t>(kTile, n - c0);
-  if (valid <= 0) return;
-  const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 bv = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
-  for (int r = 0; r < rows; ++r) {
-    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + r * 16), bv);
-    _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, (__m256i)_mm512_cvtneps_pbh(sum));
-  }
-}
-
 // One 32-row x 32-channel block (rb == 0: 16 rows or fewer; width 1: one channel tile).
 void amx_block_2x2(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64_t ldx, int ra, int rb,
                    int width, const BF16* bias, BF16* out, int64_t ldo, int64_t n0, int64_t n, float* scratch) {
@@ -234,30 +231,18 @@ void amx_block_2x2(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16*
   const char* b1 = b0 + tile_elems * 2;
   const BF16* x1 = x + 16 * ldx;
   const int64_t steps = pairs / 16;
-  if (rb > 0 && width > 1) {
-    for (int64_t kb = 0; kb < steps; ++kb) {
-      _tile_loadd(4, x + kb * 32, ldx * 2);
-      _tile_loadd(6, b0 + kb * 1024, 64);
-      _tile_dpbf16ps(0, 4, 6);
+  for (int64_t kb = 0; kb < steps; ++kb) {
+    _tile_loadd(4, x + kb * 32, ldx * 2);
+    _tile_loadd(6, b0 + kb * 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (rb > 0) {
       _tile_loadd(5, x1 + kb * 32, ldx * 2);
       _tile_dpbf16ps(2, 5, 6);
+    }
+    if (width > 1) {
       _tile_loadd(7, b1 + kb * 1024, 64);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  } else {
-    for (int64_t kb = 0; kb < steps; ++kb) {
-      _tile_loadd(4, x + kb * 32, ldx * 2);
-      _tile_loadd(6, b0 + kb * 1024, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (rb > 0) {
-        _tile_loadd(5, x1 + kb * 32, ldx * 2);
-        _tile_dpbf16ps(2, 5, 6);
-      }
-      if (width > 1) {
-        _tile_loadd(7, b1 + kb * 1024, 64);
-        _tile_dpbf16ps(1, 4, 7);
-      }
+      if (rb > 0) _tile_dpbf16ps(3, 5, 7);
     }
   }
   // scratch: [4 tiles][16 rows][16] fp32
