@@ -14,10 +14,10 @@ served before), interleaved in one process (A, B, A, B, ... the minimum of each)
 contiguous K/V of the same size. Run it on a quiet machine; `--threads 1` is steadier on a busy one.
 Every paged case scatters its blocks in a random order, as a long-running server would.
 
-    python benchmarks/kernels.py --device cpu --calls [--baseline main~3]
+    python benchmarks/kernels.py --device cpu --calls [--context 128] [--baseline main~3]
 
 --calls: what one layer's attention costs per call as the engine makes it (KV write + attention,
-SmolLM2's shape, bf16, 128-token contexts, decode steps of 1/16/64/256 rows and a mixed step of
+SmolLM2's shape, bf16, --context-token contexts (default 128), decode steps of 1/16/64/256 rows and a mixed step of
 16 decodes + one 512-token prompt), microseconds per layer call, interleaved in one process,
 each call on the next of up to 30 layers' caches (K/V come from memory, as in a forward):
   served      TorchAttentionBackend as the engine holds it (unvalidated: straight to the C++ ops)
@@ -193,13 +193,13 @@ def make_engine_step(decodes: int, context: int, prompt: int):
 CALL_CACHE_BUDGET = 512 << 20  # bytes of KV cache the per-call table cycles through
 
 
-def run_cpu_calls(baseline: str | None) -> None:
+def run_cpu_calls(baseline: str | None, context: int = 128) -> None:
     if not cpu_kernel_available():
         raise SystemExit("the C++ CPU attention kernel could not be built here (see the log line above)")
     old = load_baseline(baseline) if baseline else None
     backend = TorchAttentionBackend(validate=False)
     print(f"CPU, {torch.get_num_threads()} threads: one layer's KV write + attention per call, us (min of interleaved runs); "
-          f"SmolLM2 shape, bf16, 128-token contexts" + (f"; baseline = kernel at {baseline}" if baseline else ""))
+          f"SmolLM2 shape, bf16, {context}-token contexts" + (f"; baseline = kernel at {baseline}" if baseline else ""))
     print("Calls cycle through up to 30 layers' caches (at most 512 MB), so K/V come from memory as in a forward.")
     columns = ["layers", "served", "python op", "C++ ops"] + (["baseline"] if old else [])
     # Before this change the engine ran the baseline kernel through the Python op: estimated as
@@ -207,10 +207,10 @@ def run_cpu_calls(baseline: str | None) -> None:
     print(f"{'step':>23} | " + " ".join(f"{c:>10}" for c in columns) + (" | est. before/served" if old else ""))
     for label, decodes, prompt in [("decode x1", 1, 0), ("decode x16", 16, 0), ("decode x64", 64, 0), ("decode x256", 256, 0),
                                    ("16 decode + 512 prefill", 16, 512)]:
-        steps = [make_engine_step(decodes, 128, prompt)]
+        steps = [make_engine_step(decodes, context, prompt)]
         layer_bytes = 2 * steps[0][3][1].nbytes
         while len(steps) < min(30, CALL_CACHE_BUDGET // layer_bytes):
-            steps.append(make_engine_step(decodes, 128, prompt))
+            steps.append(make_engine_step(decodes, context, prompt))
         turn = iter(range(1 << 62))
         # The engine builds a step's metadata once for all its layers: not part of a layer call.
         metas = [backend.prepare(AttentionMetadata(slots, args[3], args[4], args[5], **hints))
@@ -282,6 +282,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16", help=f"CPU only: comma-separated, of {', '.join(CPU_DTYPES)} (fp8: bf16 queries, e4m3 cache)")
     parser.add_argument("--quick", action="store_true", help="CPU only: batch 16 and 64 at context 128 and 512, and the mixed step")
     parser.add_argument("--calls", action="store_true", help="CPU only: the per-call table (see above) instead of the decode sweep")
+    parser.add_argument("--context", type=int, default=128, help="CPU --calls only: each decoding request's context length")
     parser.add_argument("--baseline", default=None, help="CPU --calls only: a git revision whose kernel to time beside this one")
     parser.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (1 is steadier on a busy machine)")
     args = parser.parse_args()
@@ -291,7 +292,7 @@ def main() -> None:
     if device == "cuda":
         run_cuda(args.peak_gbps)
     elif args.calls:
-        run_cpu_calls(args.baseline)
+        run_cpu_calls(args.baseline, args.context)
     else:
         run_cpu(args.dtypes.split(","), *(((16, 64), (128, 512)) if args.quick else ()))
 

@@ -13,8 +13,8 @@ cache shared by several machines or checkouts never loads a wrong build and neve
 right one.
 
 Ahead of time, as vLLM ships `_C` (AVX-512) beside `_C_AVX2`: `python kernels/cpu_kernel_build.py
-prebuild` compiles one library per instruction-set family (ISA_VARIANTS: AMX, AVX-512, AVX2) into
-kernels/prebuilt/, which the package carries (the container image builds them). At run time the
+prebuild` compiles one library per instruction-set family (ISA_VARIANTS: AMX, AVX-512 BF16,
+AVX-512, AVX2) into kernels/prebuilt/, which the package carries (the container image builds them). At run time the
 best variant this CPU's flags allow is loaded, with no compiler needed; where none fits (another
 torch, another source, an older CPU) the kernel is compiled for this machine as above.
 """
@@ -67,10 +67,12 @@ class IsaVariant:
 _X86_64_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave", "abm"})
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # Best first. AMX: Sapphire Rapids and later (the kernel's tile path, which asks Linux for the tile
-# state at run time); AVX-512: Skylake-SP to Ice Lake, AMD Zen 4 and 5; AVX2: the rest since Haswell.
+# state at run time); AVX-512 BF16: AMD Zen 4 and 5, Cooper Lake (bf16 decodes in vdpbf16ps);
+# AVX-512: Skylake-SP to Ice Lake; AVX2: the rest since Haswell.
 ISA_VARIANTS = (
     IsaVariant("amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
                _X86_64_V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
+    IsaVariant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), _X86_64_V4 | {"avx512_bf16"}),
     IsaVariant("avx512", ("-march=x86-64-v4",), _X86_64_V4),
     IsaVariant("avx2", ("-march=x86-64-v3",), _X86_64_V3),
 )

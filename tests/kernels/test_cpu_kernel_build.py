@@ -100,14 +100,17 @@ def test_without_torch_headers_the_build_error_says_so_before_compiling(tmp_path
     assert not log.exists()
 
 
-SAPPHIRE_RAPIDS = cpu_kernel_build.ISA_VARIANTS[0].cpu_flags | {"sse4_2", "avx512_fp16"}
-ZEN_4 = cpu_kernel_build.ISA_VARIANTS[1].cpu_flags | {"avx512_bf16", "sse4_2"}  # no AMX
-HASWELL = cpu_kernel_build.ISA_VARIANTS[2].cpu_flags | {"sse4_2"}
+VARIANT_FLAGS = {v.name: v.cpu_flags for v in cpu_kernel_build.ISA_VARIANTS}
+SAPPHIRE_RAPIDS = VARIANT_FLAGS["amx"] | {"sse4_2", "avx512_fp16"}
+ZEN_4 = VARIANT_FLAGS["avx512"] | {"avx512_bf16", "avx512_vnni", "sse4_2"}  # no AMX
+ICE_LAKE = VARIANT_FLAGS["avx512"] | {"avx512_vnni", "sse4_2"}  # no AVX-512 BF16
+HASWELL = VARIANT_FLAGS["avx2"] | {"sse4_2"}
 ALL = [v.name for v in cpu_kernel_build.ISA_VARIANTS]
 
 
 @pytest.mark.parametrize("flags,available,expected", [
-    (SAPPHIRE_RAPIDS, ALL, "amx"), (ZEN_4, ALL, "avx512"), (HASWELL, ALL, "avx2"),
+    (SAPPHIRE_RAPIDS, ALL, "amx"), (ZEN_4, ALL, "avx512bf16"), (ICE_LAKE, ALL, "avx512"), (HASWELL, ALL, "avx2"),
+    (ZEN_4, ["amx", "avx512", "avx2"], "avx512"),  # a package built before the BF16 variant existed
     (SAPPHIRE_RAPIDS, ["avx2"], "avx2"),  # the best that was built, not the best the CPU could run
     (HASWELL, ["amx", "avx512"], None), (frozenset({"sse4_2", "avx"}), ALL, None),
 ])
