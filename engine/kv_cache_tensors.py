@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine import huge_pages
 from kvserve.kernels import KVCache
 from kvserve.paging import KVCacheConfig, KVCacheSpec, MLAAttentionSpec
 
@@ -64,8 +65,9 @@ class KVCacheTensors:
             raise ValueError(f"pages of {config.plane_bytes} bytes do not hold whole {dtype} elements in each part")
         plane = config.plane_bytes // item  # elements per block per plane
         # Zeros, not empty: padded rows of a batched read point at whatever block 0 holds, and a
-        # masked NaN would still poison the weighted sum of values.
-        slots = [tuple(torch.zeros(config.num_blocks, plane, dtype=dtype, device=device) for _ in range(config.num_planes))
+        # masked NaN would still poison the weighted sum of values. On huge pages where Linux
+        # gives them on request (huge_pages.py: decodes read blocks scattered over gigabytes).
+        slots = [tuple(huge_pages.zeros((config.num_blocks, plane), dtype, device) for _ in range(config.num_planes))
                  for _ in range(config.num_slots)]
         layers, group_of_layer = [], []
         for group_index, slot in config.slot_of_layer():
