@@ -94,7 +94,8 @@ COPY engine ./engine
 COPY server ./server
 COPY loadtest ./loadtest
 # The kernel once per instruction-set family (AMX, AVX-512 BF16, AVX-512, AVX2), packaged into
-# the wheel: the image loads the build its CPU can run without compiling it (kernels/cpu_kernel_build.py).
+# the wheel: the image loads the build its CPU can run without compiling it
+# (kernels/cpu_kernel_build.py).
 RUN python kernels/cpu_kernel_build.py prebuild \
     && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

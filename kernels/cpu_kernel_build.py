@@ -14,9 +14,10 @@ right one.
 
 Ahead of time, as vLLM ships `_C` (AVX-512) beside `_C_AVX2`: `python kernels/cpu_kernel_build.py
 prebuild` compiles one library per instruction-set family (ISA_VARIANTS: AMX, AVX-512 BF16,
-AVX-512, AVX2) into kernels/prebuilt/, which the package carries (the container image builds them). At run time the
-best variant this CPU's flags allow is loaded, with no compiler needed; where none fits (another
-torch, another source, an older CPU) the kernel is compiled for this machine as above.
+AVX-512, AVX2) into kernels/prebuilt/, which the package carries (the container image builds
+them). At run time the best variant this CPU's flags allow is loaded, with no compiler needed;
+where none fits (another torch, another source, an older CPU) the kernel is compiled for this
+machine as above.
 """
 
 from __future__ import annotations

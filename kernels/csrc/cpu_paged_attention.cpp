@@ -301,8 +301,8 @@ struct Scratch {
   std::vector<int64_t> visible;  // [rows]: keys of the current chunk each row may see
   std::vector<int64_t> hidden;   // [rows]: of those, how many leading ones lie before its window
   Scratch(int64_t rows, int64_t vectors)
-      : q(rows * vectors), acc(rows * vectors), q_pairs((rows * vectors + 1) / 2), k(kChunk * vectors), v(kChunk * vectors), parts(kRowBlock * kChunk),
-        row_max(rows), row_sum(rows), visible(rows), hidden(rows) {}
+      : q(rows * vectors), acc(rows * vectors), q_pairs((rows * vectors + 1) / 2), k(kChunk * vectors),
+        v(kChunk * vectors), parts(kRowBlock * kChunk), row_max(rows), row_sum(rows), visible(rows), hidden(rows) {}
 };
 
 // Lane j of the result = the sum of parts[j]'s 16 lanes: 16 dot products finished in 15
@@ -919,13 +919,13 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 
   // out is [num_tokens, num_heads, head_dim], contiguous.
   q_t* out = static_cast<q_t*>(p.out);
+  const bool pairs = amx || dot;  // accumulators in the interleaved pairs' order
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = (t - t0) * group + g;
       const Vec normalised_scale = Vec{} + p.out_scale / s.row_sum[r];
       q_t* out_row = out + ((q_start + t) * p.num_heads + first_head + g) * p.head_dim;
       const Vec* acc = s.acc.data() + r * NV;
-      const bool pairs = amx || dot;  // accumulators in the interleaved pairs' order
       for (int64_t i = 0; i < NV; i += pairs ? 2 : 1) {
         if (pairs) {
           Vec first, second;
