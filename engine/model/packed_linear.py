@@ -11,8 +11,13 @@ inputs, not constants, and inductor cannot pack them itself. Packing them here i
 the compiled and the eager forward alike.
 
 The packed tensor is opaque (layout torch._mkldnn): it is used only through the op below, which
-torch.compile keeps as one node. float32 models keep plain nn.Linear: their exactness against
-transformers is tested, and oneDNN's packed fp32 path would be a different kernel.
+torch.compile keeps as one node. float32 models keep plain nn.Linear (MKL's sgemm, as
+transformers runs them: `--dtype float32` stays bit-faithful to it), except where `--dtype auto`
+chose float32 for speed, on a CPU without bf16 arithmetic (engine/device.py): there oneDNN's
+packed fp32 kernels are faster than MKL's on every shape of the model (2-core AVX2 Zen 2, weights
+hot, 1-256 rows: the lm_head 2.2-2.5x at 1-64 rows, the layers' matmuls 1.2-2x at 8-64 rows,
+level at 1 row), adding the same sums in another order (float32 rounding: ~1e-4 on those shapes'
+outputs).
 
 At few rows (a single stream, a handful of decodes) oneDNN's packed matmul reads the weights at
 a third of the memory bandwidth, and up to ~128 rows (decode steps) kvserve's own kernel's AMX
@@ -66,11 +71,15 @@ torch.library.register_fake("kvserve_linear::packed_linear", _fake_packed_linear
 packed_linear = torch.ops.kvserve_linear.packed_linear.default
 
 
-def weight_packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+def weight_packing_supported(dtype: torch.dtype, device: torch.device, float32: bool = False) -> bool:
     """oneDNN's bf16 kernels need AVX-512 (BF16 or AMX) or similar; elsewhere torch's own
-    fallback is used and packing does not apply."""
-    return (device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    fallback is used and packing does not apply. Its fp32 kernels run wherever oneDNN does:
+    `float32` packs float32 weights too."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype is torch.float32:
+        return float32
+    return dtype in PACKABLE_DTYPES and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
@@ -99,6 +108,7 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if few_rows_kernel is None:
             few_rows_kernel = bf16_gemm_available()
+        few_rows_kernel = few_rows_kernel and weight.dtype is torch.bfloat16
         few_rows_weight = pack_bf16(weight) if few_rows_kernel else None
         return cls(packed, bias, linear.in_features, linear.out_features, few_rows_weight)
 
@@ -112,25 +122,26 @@ class PackedLinear(nn.Module):
                 f"few_rows_kernel={self.few_rows_weight is not None}")
 
 
-def pack_linear_weights(model: nn.Module, few_rows_kernel: bool | None = None) -> int:
+def pack_linear_weights(model: nn.Module, few_rows_kernel: bool | None = None, float32: bool = False) -> int:
     """Replaces every nn.Linear of `model` whose weight oneDNN can pack by a PackedLinear, in
     place. Run it after any quantization (which swaps nn.Linear for its own modules) and before
-    compiling. Returns how many layers were packed. `few_rows_kernel` as in PackedLinear.from_linear."""
-    targets = _packing_targets(model)
+    compiling. Returns how many layers were packed. `few_rows_kernel` as in PackedLinear.from_linear;
+    `float32`: pack float32 weights too (left as they are otherwise)."""
+    targets = _packing_targets(model, float32)
     with torch.inference_mode():
         for parent, name, child in targets:
             setattr(parent, name, PackedLinear.from_linear(child, few_rows_kernel))
     return len(targets)
 
 
-def _packing_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+def _packing_targets(model: nn.Module, float32: bool = False) -> list[tuple[nn.Module, str, nn.Linear]]:
     return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if type(child) is nn.Linear and weight_packing_supported(child.weight.dtype, child.weight.device)]
+            if type(child) is nn.Linear and weight_packing_supported(child.weight.dtype, child.weight.device, float32)]
 
 
 def packable_weight_bytes(model: nn.Module) -> int:
-    """The bytes of the weights pack_linear_weights would pack: what the few-row kernel's copies
-    of them would add."""
+    """The bytes of the bf16 weights pack_linear_weights would pack: what the few-row kernel's
+    copies of them would add."""
     return sum(child.weight.numel() * child.weight.element_size() for _, _, child in _packing_targets(model))
 
 

@@ -2,8 +2,9 @@
 
     1. quantize  (--quantization int8|int4) swaps nn.Linear for weight-only quantized modules;
                  a row-parallel layer's inner linear is swapped, so its all_reduce stays
-    2. prepack   (CPU, bf16) reorders the remaining nn.Linear weights into oneDNN's blocked
-                 layout once; after quantization, whose modules it must not touch
+    2. prepack   (CPU, bf16; float32 where --dtype auto chose it) reorders the remaining
+                 nn.Linear weights into oneDNN's blocked layout once; after quantization, whose
+                 modules it must not touch
     3. compile   (the runner, unless --enforce-eager) traces the final modules: a layer is
                  traced as it is when first run, and later changes go unnoticed
 
@@ -41,9 +42,10 @@ FEW_ROWS_COPY_MAX_SHARE = 0.25
 
 
 def prepack(model: CausalLM, device: torch.device, weights_bytes: int,
-            memory_sources: MemorySources = MemorySources()) -> int:
+            memory_sources: MemorySources = MemorySources(), float32: bool = False) -> int:
     """Step 2; returns the bytes it added (the few-row kernel's copy of bf16 weights), which the
-    KV cache's budget must leave room for as for the weights."""
+    KV cache's budget must leave room for as for the weights. `float32`: pack float32 weights
+    too (where `--dtype auto` chose float32 for speed; packed_linear.py)."""
     if device.type != "cpu":
         return 0
     few_rows = bf16_gemm_available()
@@ -55,7 +57,7 @@ def prepack(model: CausalLM, device: torch.device, weights_bytes: int,
                         "%.0f%% of the %s left after them; oneDNN serves every row count",
                         copy_bytes / 2**30, 100 * FEW_ROWS_COPY_MAX_SHARE,
                         "memory" if headroom is None else f"{headroom / 2**30:.2f} GiB")
-    packed = pack_linear_weights(model, few_rows_kernel=few_rows)
+    packed = pack_linear_weights(model, few_rows_kernel=few_rows, float32=float32)
     added = few_rows_weight_bytes(model)
     logger.info("%d linear layers' weights prepacked for oneDNN%s", packed,
                 f", and for the few-row bf16 kernel (+{added / 2**20:.0f} MiB)" if added else "")

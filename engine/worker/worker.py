@@ -106,7 +106,8 @@ def _build_runner(spec: WorkerSpec, device: torch.device, parallel: TensorParall
     config = spec.config
     model_config, model = on_every_rank(parallel, device, lambda: load_model(spec.source, spec.dtype, device, parallel))
     weights_bytes = quantize(model, config.quantization)
-    weights_bytes += prepack(model, device, weights_bytes)
+    # An explicit --dtype float32 keeps MKL's sgemm, bit-faithful to transformers; `auto` asks for speed.
+    weights_bytes += prepack(model, device, weights_bytes, float32=config.dtype == "auto")
     kv_dtype = kv_cache_dtype(config, spec.dtype)
     # From the rank's own layers: they hold its share of the KV heads.
     kv_cache_config = plan_rank_kv_cache(config, layer_kv_specs(model, kv_dtype), spec.max_model_len, weights_bytes,

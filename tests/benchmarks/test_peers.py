@@ -93,6 +93,10 @@ def test_vllm_serve_and_kvserve_get_the_same_limits(tmp_path: Path) -> None:
         assert vllm[vllm.index(flag) + 1] == kv[kv.index(flag) + 1]
     assert "--no-enable-prefix-caching" in vllm and "--no-enable-prefix-caching" in kv
     assert kv[kv.index("--quantization") + 1] == "int4"
+    assert vllm[vllm.index("--dtype") + 1] == "bfloat16"
+    # On a CPU without bf16 arithmetic, where kvserve's auto runs float32, vLLM can be asked to as well.
+    fp32 = vllm_server_argv(9000, VllmServerOptions(tmp_path / "python", tmp_path / "model", dtype="float32"))
+    assert fp32[fp32.index("--dtype") + 1] == "float32"
     with pytest.raises(FileNotFoundError, match="config.json"):
         VllmServerOptions(tmp_path / "python", tmp_path)
 
