@@ -64,7 +64,7 @@ class DecodeShape:
 
 
 def make_paged_decode(shape: DecodeShape, dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
-    blocks_per_seq = shape.context // shape.block_size
+    blocks_per_seq = -(-shape.context // shape.block_size)  # a partly filled last block too
     num_blocks = shape.batch * blocks_per_seq
     cache_shape = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
     key_cache = torch.randn(cache_shape, dtype=dtype, device=device).to(kv_dtype)

@@ -34,7 +34,9 @@
 // two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
 // Without AMX, a bf16 tile of one token's rows (a decode) with AVX-512 BF16 (AMD Zen 4 and later,
 // Cooper Lake) takes both products in vdpbf16ps on the cache's bf16 rows as they are
-// (chunk_rows_dot), instead of converting every K/V row to fp32 first.
+// (chunk_rows_dot), instead of converting every K/V row to fp32 first. On AVX2 CPUs without
+// AVX-512 (AMD Zen 2/3, older Intel), fp32, bf16 and fp16 caches take each tile's rows one at a
+// time through a chunk in native 8-lane registers (chunk_avx2).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,7 +47,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #ifdef __AMX_BF16__
@@ -90,6 +92,7 @@ typedef uint8_t U8x16 __attribute__((vector_size(16)));
 typedef int8_t I8x16 __attribute__((vector_size(16)));
 typedef int16_t I16x16 __attribute__((vector_size(32)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x8 __attribute__((vector_size(32)));
 
 // ---- loading 16 elements as fp32 ---------------------------------------------------------------
 
@@ -218,23 +221,26 @@ inline float hmax(Vec v) {
 // 0: such a weight (< 4e-31 against the row's largest, 1) changes nothing in fp32, and products
 // of tinier weights with V would be fp32 subnormals, which cost a microcode assist each. -inf
 // (masked) gives 0 too.
-inline Vec exp_nonpositive(Vec x) {
-  const Vec zero{};
-  const Vec cutoff = zero - 70.0f;
-  const Vec clamped = x > cutoff ? x : cutoff;
-  const Vec round_magic = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const Vec n = (clamped * 1.44269504088896341f + round_magic) - round_magic;
-  const Vec r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  Vec p = zero + 1.9875691500e-4f;
+template <typename V, typename I>
+inline V exp_nonpositive_of(V x) {
+  const V zero{};
+  const V cutoff = zero - 70.0f;
+  const V clamped = x > cutoff ? x : cutoff;
+  const V round_magic = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (clamped * 1.44269504088896341f + round_magic) - round_magic;
+  const V r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const Vec two_n = (Vec)((__builtin_convertvector(n, I32x16) + 127) << 23);
+  const V two_n = (V)((__builtin_convertvector(n, I) + 127) << 23);
   return x > cutoff ? p * two_n : zero;
 }
+
+inline Vec exp_nonpositive(Vec x) { return exp_nonpositive_of<Vec, I32x16>(x); }
 
 // c * tanh(s / c) for each score s: attention-logit soft-capping (Gemma 2), in vector operations
 // like exp_nonpositive. tanh|x| = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1; below |x| = 1/16,
@@ -750,6 +756,146 @@ constexpr bool kDotRoute = true;
 constexpr bool kDotRoute = false;
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// ---- fp32, bf16 and fp16 caches on AVX2 CPUs (no AVX-512) ---------------------------------------
+//
+// The loop above, built for AVX2, runs its 16-lane vectors as pairs of 8-lane registers: its
+// row blocks' accumulators (4 rows x head_dim floats) no longer fit the 16 registers and reduce16's
+// cross-register shuffles turn into many more instructions. Measured on a 2-core AMD EPYC (Zen 3),
+// SmolLM2's layer at 64 fp32 decodes x 200 keys from memory: 4.2 ms a call, ~5 GB/s of K/V
+// against the ~18 GB/s the memory gives; this route: 1.5 ms (2.6-2.9x at 1-256 decodes,
+// `benchmarks/kernels.py --calls --dtypes float32 --context 200 --baseline REV`). Each row of a
+// tile goes through a chunk on its own, in native 8-lane registers (the chunk's K/V stay in L1
+// between the rows of a tile); no software prefetch of the next block (level or slower with it):
+//   scores: a row's query (fp32, pre-scaled) against each of the chunk's keys, two FMA chains a
+//           key, the 16 partial vectors finished by a vhaddps tree (reduce8) into 2 x 8 scores
+//   softmax: online_softmax, as the loop above
+//   P x V:  the row's accumulators (64 floats of D at a time) in 8 registers, one broadcast
+//           weight and 8 FMAs per visible key
+// bf16 and fp16 chunks are converted to fp32 once per chunk, for all the rows of the tile.
+constexpr bool kAvx2Route = true;
+
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8(const c10::BFloat16* src) {  // bf16 is the top half of an fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
+}
+inline __m256 load8(const c10::Half* src) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))); }
+
+// Lane j of the result = the sum of p[j]'s 8 lanes (a transpose folded into 7 horizontal adds).
+inline __m256 reduce8(const __m256* p) {
+  const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
+  const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
+  // u0 = [sum of p0's lanes 0-3, p1's, p2's, p3's | the same of lanes 4-7]; u1 likewise for p4-p7
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One query row against one chunk of n <= 16 fp32 keys and values (rows `stride` floats apart);
+// the row sees keys [hidden, visible) of them. kVec8 = head_dim / 8, a multiple of 8.
+template <int kVec8>
+void row_chunk_avx2(const float* q, const float* k_rows, const float* v_rows, int64_t stride_k, int64_t stride_v, int64_t n,
+                    const int64_t* visible, const int64_t* hidden, float soft_cap, Vec* acc_out, float* row_max, float* row_sum) {
+  static_assert(kVec8 % 8 == 0, "head_dim must be a multiple of 64");
+  __m256 parts[kChunk];
+  for (int64_t j = 0; j < kChunk; ++j) {
+    if (j >= n) {  // lanes past n are masked by online_softmax; zeros keep them finite
+      parts[j] = _mm256_setzero_ps();
+      continue;
+    }
+    const float* k = k_rows + j * stride_k;
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    __m256 b = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(k + 8));
+    for (int i = 2; i < kVec8; i += 2) {
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), _mm256_loadu_ps(k + 8 * i), a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i + 8), _mm256_loadu_ps(k + 8 * i + 8), b);
+    }
+    parts[j] = _mm256_add_ps(a, b);
+  }
+  __m256 low = reduce8(parts), high = reduce8(parts + 8);
+  if (soft_cap > 0.0f) {  // rare (Gemma 2): through the 16-lane code
+    Vec scores;
+    std::memcpy(&scores, &low, sizeof(low));
+    std::memcpy(reinterpret_cast<char*>(&scores) + sizeof(low), &high, sizeof(high));
+    scores = soft_cap16(scores, soft_cap);
+    std::memcpy(&low, &scores, sizeof(low));
+    std::memcpy(&high, reinterpret_cast<const char*>(&scores) + sizeof(low), sizeof(high));
+  }
+  // The online-softmax step of online_softmax, in 8-lane registers (its 16-lane code, built for
+  // AVX2, went through 128-bit pieces and the stack: as long as the two products together).
+  const int64_t first = std::max<int64_t>(0, hidden[0]), last = std::min(n, visible[0]);
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_ps(8.0f);
+  const __m256 lo_first = _mm256_set1_ps(static_cast<float>(first)), lo_last = _mm256_set1_ps(static_cast<float>(last));
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const auto mask = [&](__m256 scores, __m256 index) {  // keys outside [first, last): -inf
+    const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(index, lo_first, _CMP_GE_OQ), _mm256_cmp_ps(index, lo_last, _CMP_LT_OQ));
+    return _mm256_blendv_ps(minus_inf, scores, seen);
+  };
+  low = mask(low, lane);
+  high = mask(high, _mm256_add_ps(lane, eight));
+  __m256 m = _mm256_max_ps(low, high);
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
+  const float new_max = std::max(*row_max, _mm256_cvtss_f32(m));
+  const __m256 shift = _mm256_set1_ps(new_max);
+  const __m256 p_low = (__m256)exp_nonpositive_of<Vec8, I32x8>((Vec8)_mm256_sub_ps(low, shift));
+  const __m256 p_high = (__m256)exp_nonpositive_of<Vec8, I32x8>((Vec8)_mm256_sub_ps(high, shift));
+  alignas(32) float weights[kChunk];
+  _mm256_store_ps(weights, p_low);
+  _mm256_store_ps(weights + 8, p_high);
+  float correction = 1.0f;  // folded into P x V's loads of the accumulators below
+  if (new_max > *row_max) {
+    correction = std::exp(*row_max - new_max);  // 0 on the first chunk (max was -inf)
+    *row_sum *= correction;
+    *row_max = new_max;
+  }
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(p_low, p_high)), _mm256_extractf128_ps(_mm256_add_ps(p_low, p_high), 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  *row_sum += _mm_cvtss_f32(sum);
+  const __m256 scale = _mm256_set1_ps(correction);
+  float* acc = reinterpret_cast<float*>(acc_out);
+  for (int i0 = 0; i0 < kVec8; i0 += 8) {  // 64 elements of D at a time: 8 accumulators in registers
+    __m256 o[8];
+    for (int i = 0; i < 8; ++i) o[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (i0 + i)), scale);
+    for (int64_t j = first; j < last; ++j) {
+      const __m256 w = _mm256_broadcast_ss(&weights[j]);
+      const float* v = v_rows + j * stride_v + 8 * i0;
+      for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), o[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + 8 * (i0 + i), o[i]);
+  }
+}
+
+// Every row of a tile against one chunk (s.visible / s.hidden set for it).
+template <typename kv_t, int kVectors>
+void chunk_avx2(const kv_t* k_rows, int64_t k_stride, const kv_t* v_rows, int64_t v_stride, int64_t n, int64_t rows,
+                float soft_cap, Scratch& s) {
+  constexpr int64_t D = kVectors * kLanes;
+  const float* k = reinterpret_cast<const float*>(k_rows);
+  const float* v = reinterpret_cast<const float*>(v_rows);
+  int64_t ks = k_stride, vs = v_stride;
+  if constexpr (!std::is_same<kv_t, float>::value) {  // converted once for all the tile's rows
+    float* k32 = reinterpret_cast<float*>(s.k.data());
+    float* v32 = reinterpret_cast<float*>(s.v.data());
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t i = 0; i < D; i += 8) {
+        _mm256_storeu_ps(k32 + j * D + i, load8(k_rows + j * k_stride + i));
+        _mm256_storeu_ps(v32 + j * D + i, load8(v_rows + j * v_stride + i));
+      }
+    }
+    k = k32, v = v32, ks = D, vs = D;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (s.visible[r] <= 0 || s.visible[r] <= s.hidden[r]) continue;  // the row sees none of this chunk
+    row_chunk_avx2<2 * kVectors>(reinterpret_cast<const float*>(s.q.data() + r * kVectors), k, v, ks, vs, n, s.visible.data() + r,
+                                 s.hidden.data() + r, soft_cap, s.acc.data() + r * kVectors, s.row_max.data() + r, s.row_sum.data() + r);
+  }
+}
+#else
+constexpr bool kAvx2Route = false;
+#endif
+
 // Rows [r0, r0 + count) of the tile against one chunk, count <= kRowBlock.
 template <typename src_t, int kVectors>
 void chunk_row_block(int64_t count, const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int64_t v_stride,
@@ -787,7 +933,12 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   // Without AMX, one token's rows of a bf16 cache take the bf16 dot products (see chunk_rows_dot).
   constexpr bool kDotType = kDotRoute && std::is_same<kv_t, c10::BFloat16>::value && kVectors > 0 && kVectors % 2 == 0;
   const bool dot = kDotType && !amx && t1 - t0 == 1 && p.window == 0;
-  const bool staged = !amx && !dot && rows > kRowBlock;  // several row blocks share each chunk: convert its K/V to fp32 once
+  // On AVX2 CPUs (no AVX-512), every tile of an fp32, bf16 or fp16 cache (see chunk_avx2).
+  constexpr bool kAvx2Type = kAvx2Route && kVectors > 0 && kVectors % 4 == 0 &&
+                             (std::is_same<kv_t, float>::value || std::is_same<kv_t, c10::BFloat16>::value ||
+                              std::is_same<kv_t, c10::Half>::value);
+  const bool avx2 = kAvx2Type && !amx && !dot;
+  const bool staged = !amx && !dot && !avx2 && rows > kRowBlock;  // several row blocks share each chunk: convert its K/V to fp32 once
   const q_t* query = static_cast<const q_t*>(p.query);
   [[maybe_unused]] const q_t* row_queries[kAmxMaxRows];  // an AMX tile's query rows
   for (int64_t t = t0; t < t1; ++t) {
@@ -846,7 +997,8 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
     const float* vs_block = p.value_scales ? p.value_scales + block * p.vs_stride_b + item.kv_head * p.vs_stride_h : nullptr;
     if (b + 1 < num_blocks) {  // blocks lie anywhere in memory: ask for the next one while this one computes
       block = block_id(b + 1);
-      const int64_t next_n = amx ? 0 : std::min(B, num_keys - (b + 1) * B);  // AMX prefetches as it computes
+      // AMX prefetches as it computes; the AVX2 route measured no better with a prefetch
+      const int64_t next_n = amx || avx2 ? 0 : std::min(B, num_keys - (b + 1) * B);
       prefetch_rows(key_cache + block * p.k_stride_b + item.kv_head * p.k_stride_h, next_n, p.k_stride_s, p.head_dim);
       prefetch_rows(value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h, next_n, p.v_stride_s, p.head_dim);
     }
@@ -881,6 +1033,14 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
                                           p.k_stride_s, reinterpret_cast<const c10::BFloat16*>(v_rows), p.v_stride_s, n,
                                           p.score_scale, p.soft_cap, s, r0);
           }
+          continue;
+        }
+      }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+      if constexpr (kAvx2Type) {
+        if (avx2) {
+          chunk_avx2<kv_t, kVectors>(k_rows, p.k_stride_s, v_rows, p.v_stride_s, n, rows, p.soft_cap, s);
           continue;
         }
       }

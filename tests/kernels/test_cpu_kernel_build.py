@@ -146,10 +146,14 @@ from kvserve.kernels.cpu_attention import cpu_paged_attention, load_cpu_kernel
 from kvserve.kernels.torch_attention import torch_paged_attention
 from tests.kernels.paged_batch import TOLERANCES, make_batch
 assert load_cpu_kernel(compiler="no-such-c++-compiler")  # no compiler: only the prebuilt can serve
-for dtype in (torch.float32, torch.bfloat16):
-    batch = make_batch([1, 17, 200, 33], [1, 1, 40, 33], num_kv_heads=3, group=3, dtype=dtype)
-    out = cpu_paged_attention(*batch.attention_args()[:-1], batch.scale, 1.0)
-    torch.testing.assert_close(out.float(), torch_paged_attention(*batch.attention_args()).float(), **TOLERANCES[dtype])
+# The AVX2 build's own route for fp32/bf16/fp16 caches: decodes, prompt chunks, several groups and
+# head dims, a sliding window and a soft cap.
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for head_dim, group, window, cap in [(64, 3, 0, 0.0), (128, 8, 0, 0.0), (64, 1, 24, 0.0), (64, 4, 0, 5.0)]:
+        batch = make_batch([1, 17, 200, 33, 300], [1, 1, 40, 33, 1], num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+        out = cpu_paged_attention(*batch.attention_args()[:-1], batch.scale, 1.0, window, cap)
+        want = torch_paged_attention(*batch.attention_args(), sliding_window=window, soft_cap=cap)
+        torch.testing.assert_close(out.float(), want.float(), **TOLERANCES[dtype])
 print("prebuilt ok")
 """
 
