@@ -757,6 +757,7 @@ constexpr bool kDotRoute = false;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define KVSERVE_AVX2_ROUTE 1
 // ---- fp32, bf16 and fp16 caches on AVX2 CPUs (no AVX-512) ---------------------------------------
 //
 // The loop above, built for AVX2, runs its 16-lane vectors as pairs of 8-lane registers: its
@@ -769,7 +770,7 @@ constexpr bool kDotRoute = false;
 // between the rows of a tile); no software prefetch of the next block (level or slower with it):
 //   scores: a row's query (fp32, pre-scaled) against each of the chunk's keys, two FMA chains a
 //           key, the 16 partial vectors finished by a vhaddps tree (reduce8) into 2 x 8 scores
-//   softmax: online_softmax, as the loop above
+//   softmax: online_softmax's step for one row, in 8-lane registers
 //   P x V:  the row's accumulators (64 floats of D at a time) in 8 registers, one broadcast
 //           weight and 8 FMAs per visible key
 // bf16 and fp16 chunks are converted to fp32 once per chunk, for all the rows of the tile.
@@ -790,7 +791,7 @@ inline __m256 reduce8(const __m256* p) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One query row against one chunk of n <= 16 fp32 keys and values (rows `stride` floats apart);
+// One query row against one chunk of n <= 16 fp32 keys and values (rows stride_k / stride_v floats apart);
 // the row sees keys [hidden, visible) of them. kVec8 = head_dim / 8, a multiple of 8.
 template <int kVec8>
 void row_chunk_avx2(const float* q, const float* k_rows, const float* v_rows, int64_t stride_k, int64_t stride_v, int64_t n,
@@ -824,10 +825,10 @@ void row_chunk_avx2(const float* q, const float* k_rows, const float* v_rows, in
   // AVX2, went through 128-bit pieces and the stack: as long as the two products together).
   const int64_t first = std::max<int64_t>(0, hidden[0]), last = std::min(n, visible[0]);
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_ps(8.0f);
-  const __m256 lo_first = _mm256_set1_ps(static_cast<float>(first)), lo_last = _mm256_set1_ps(static_cast<float>(last));
+  const __m256 first_lane = _mm256_set1_ps(static_cast<float>(first)), last_lane = _mm256_set1_ps(static_cast<float>(last));
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const auto mask = [&](__m256 scores, __m256 index) {  // keys outside [first, last): -inf
-    const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(index, lo_first, _CMP_GE_OQ), _mm256_cmp_ps(index, lo_last, _CMP_LT_OQ));
+    const __m256 seen = _mm256_and_ps(_mm256_cmp_ps(index, first_lane, _CMP_GE_OQ), _mm256_cmp_ps(index, last_lane, _CMP_LT_OQ));
     return _mm256_blendv_ps(minus_inf, scores, seen);
   };
   low = mask(low, lane);
@@ -849,7 +850,8 @@ void row_chunk_avx2(const float* q, const float* k_rows, const float* v_rows, in
     *row_sum *= correction;
     *row_max = new_max;
   }
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(p_low, p_high)), _mm256_extractf128_ps(_mm256_add_ps(p_low, p_high), 1));
+  const __m256 p_both = _mm256_add_ps(p_low, p_high);
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(p_both), _mm256_extractf128_ps(p_both, 1));
   sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
   sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
   *row_sum += _mm_cvtss_f32(sum);
@@ -1037,7 +1039,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
         }
       }
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#ifdef KVSERVE_AVX2_ROUTE
       if constexpr (kAvx2Type) {
         if (avx2) {
           chunk_avx2<kv_t, kVectors>(k_rows, p.k_stride_s, v_rows, p.v_stride_s, n, rows, p.soft_cap, s);
