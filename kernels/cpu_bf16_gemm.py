@@ -1,16 +1,18 @@
 """kvserve's bf16 linear for decode steps (csrc/cpu_bf16_gemm.cpp) as Python functions: packing, the op.
 
 torch.ops.kvserve_bf16.bf16_linear(x [..., K] bf16, packed, bias [N] or None, N) -> [..., N] bf16:
-weights packed once (pack_bf16) into tiles of 16 output channels x pairs of inputs, multiplied by
-AVX-512 BF16 `vdpbf16ps` with fp32 sums, streaming the weights at memory bandwidth where oneDNN's
-prepacked matmul does not (1-16 rows), with AMX tiles above that (faster than oneDNN up to ~128
-rows; benchmarks/bf16_gemm.py). A torch library op with a Meta
-implementation, so a compiled forward keeps each call as one graph node.
+weights packed once (pack_bf16) into tiles of 16 output channels x pairs of inputs, multiplied with
+fp32 sums (AVX-512 BF16 `vdpbf16ps` where the CPU has it, else each pair widened to fp32 in
+registers for two FMAs), streaming the weights at memory bandwidth where oneDNN's prepacked matmul
+does not (1-16 rows), with AMX tiles above that (faster than oneDNN up to ~128 rows;
+benchmarks/bf16_gemm.py). On AVX-512 CPUs without BF16, where oneDNN emulates bf16, it is the
+faster at every row count. A torch library op with a Meta implementation, so a compiled forward
+keeps each call as one graph node.
 
-It needs AVX-512 (F, BW) with BF16, checked against /proc/cpuinfo before anything is built, and a
-C++ compiler (built once per machine like the other CPU kernels: kernels/cpu_kernel_build.py).
-Where either is missing, `bf16_gemm_available()` says so in one log line and bf16 layers keep
-oneDNN at every row count.
+It needs AVX-512 (F, BW), checked against /proc/cpuinfo before anything is built, and a C++
+compiler (built once per machine like the other CPU kernels: kernels/cpu_kernel_build.py). Where
+either is missing, `bf16_gemm_available()` says so in one log line and the layers keep oneDNN at
+every row count.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.cpu_kernel_build import load_optional_kernel
+from kvserve.kernels.cpu_kernel_build import cpu_flags, load_optional_kernel
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_bf16_gemm.cpp"
-REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
+REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw"})
+# x86 CPUs that multiply bfloat16 in hardware (AVX-512 BF16's vdpbf16ps, AMX's tiles). Without them
+# oneDNN widens every bf16 operand in software (on a 2-core AVX-512 Xeon without BF16, its prepacked
+# bf16 matmul ran the model's layers 1.7-4.5x slower than this kernel at 1-256 rows).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 TILE = 16  # output channels per tile (the kernel's vector lanes)
 
 
@@ -43,6 +49,11 @@ def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int) -> to
     """The [N, K] weights a packed tensor holds (for tests)."""
     tiles, pairs = packed.shape[:2]
     return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2)[:out_features, :in_features]
+
+
+def native_bf16_arithmetic(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (`flags` of /proc/cpuinfo stand for its in tests) multiplies bf16 in hardware."""
+    return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
 
 
 def load_bf16_gemm(cache_dir: Path | None = None, compiler: str | None = None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -172,6 +173,7 @@ def build_library(cache_dir: Path, compiler: str | None = None, source: Path = S
     return BuildResult(library, compiled=True, seconds=time.perf_counter() - started)
 
 
+@functools.cache  # the machine's: read once, not once per layer packed
 def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_flags().partition(":")[2].split())
 

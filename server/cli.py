@@ -85,8 +85,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
         model.add_argument("--served-model-name", default=None,
                            help="the name clients pass as 'model' and see in responses (default: --model)"),
         model.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=defaults.dtype,
-                           help="weights and activations dtype; auto: bfloat16 on CUDA and on CPUs with bf16 "
-                                "arithmetic (AVX-512 BF16, AMX), float32 on other x86 CPUs: the faster of the two"),
+                           help="weights and activations dtype; auto: bfloat16 on CUDA, on CPUs with bf16 arithmetic "
+                                "(AVX-512 BF16, AMX) and on other AVX-512 CPUs (kvserve's bf16 kernel), float32 on "
+                                "AVX2-only x86 CPUs: the faster of the two"),
         model.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N"),
         model.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default=defaults.attention_backend,
                            help="paged-attention implementation"),

@@ -13,7 +13,7 @@ the compiled and the eager forward alike.
 The packed tensor is opaque (layout torch._mkldnn): it is used only through the op below, which
 torch.compile keeps as one node. float32 models keep plain nn.Linear (MKL's sgemm, as
 transformers runs them: `--dtype float32` stays bit-faithful to it), except where `--dtype auto`
-chose float32 for speed, on a CPU without bf16 arithmetic (engine/device.py): there oneDNN's
+chose float32 for speed, on a CPU with neither bf16 arithmetic nor AVX-512 (engine/device.py): there oneDNN's
 packed fp32 kernels are faster than MKL's on every shape of the model (2-core AVX2 Zen 2, weights
 hot, 1-256 rows: the lm_head 2.2-2.5x at 1-64 rows, the layers' matmuls 1.2-2x at 8-64 rows,
 level at 1 row), adding the same sums in another order (float32 rounding: ~1e-4 on those shapes'
@@ -21,11 +21,16 @@ outputs).
 
 At few rows (a single stream, a handful of decodes) oneDNN's packed matmul reads the weights at
 a third of the memory bandwidth, and up to ~128 rows (decode steps) kvserve's own kernel's AMX
-blocking is faster too; there kvserve's AVX-512 BF16 / AMX kernel (kernels/cpu_bf16_gemm.py) runs
-from a second copy of the weights in its own layout, and oneDNN keeps the larger row counts (prompt
+blocking is faster too; there kvserve's bf16 kernel (kernels/cpu_bf16_gemm.py) runs from a
+second copy of the weights in its own layout, and oneDNN keeps the larger row counts (prompt
 chunks). The two round the same fp32 sums to bf16 but add them in another order: results agree
 to bf16's last bit, not bit for bit. The compiled graph branches on the row count, as the
 quantized layers' graphs do.
+
+On a CPU without bf16 arithmetic (AVX-512 without BF16: Skylake-SP to Ice Lake, or a hypervisor
+hiding it) oneDNN emulates bf16, and kvserve's kernel (fp32 FMAs on widened pairs) was 1.7-4.5x
+faster than its packed bf16 matmul at every row count, 1 to 256 (benchmarks/bf16_gemm.py). There a
+bf16 layer keeps the kernel's copy alone: no oneDNN copy, no second copy of the weights.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, pack_bf16
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, native_bf16_arithmetic, pack_bf16
 
 PACKABLE_DTYPES = (torch.bfloat16,)
 # Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (quiet machine,
@@ -82,44 +87,61 @@ def weight_packing_supported(dtype: torch.dtype, device: torch.device, float32: 
     return dtype in PACKABLE_DTYPES and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout (inference only: no gradients)."""
+def onednn_emulates_bf16(dtype: torch.dtype) -> bool:
+    """Whether oneDNN would run a `dtype` layer in emulated bf16 (this CPU has no bf16 arithmetic)."""
+    return dtype is torch.bfloat16 and not native_bf16_arithmetic()
 
-    def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout, in kvserve's bf16 kernel's, or both
+    (inference only: no gradients)."""
+
+    def __init__(self, packed_weight: torch.Tensor | None, bias: torch.Tensor | None, in_features: int,
                  out_features: int, few_rows_weight: torch.Tensor | None = None) -> None:
         super().__init__()
-        if not packed_weight.is_mkldnn:
+        if packed_weight is None and few_rows_weight is None:
+            raise ValueError("PackedLinear needs oneDNN's packed weight, kvserve's bf16 kernel's, or both")
+        if packed_weight is not None and not packed_weight.is_mkldnn:
             raise ValueError("PackedLinear needs a weight from torch.ops.mkldnn._reorder_linear_weight")
         self.in_features, self.out_features = in_features, out_features
         # A plain attribute: module.to()/state_dict() cannot handle an opaque tensor, and nothing
         # should move or save it (the dense weights it came from are what a checkpoint holds).
+        # None: kvserve's kernel serves every row count.
         self.packed_weight = packed_weight
         # The same weights in kvserve's bf16 kernel's layout (pack_bf16), for FEW_ROWS_MAX rows or
-        # fewer; None where that kernel is unavailable.
+        # fewer (every row count without oneDNN's); None where that kernel is unavailable or the
+        # weights are not bf16.
         self.few_rows_weight = few_rows_weight
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, few_rows_kernel: bool | None = None) -> PackedLinear:
-        """`few_rows_kernel`: also pack for kvserve's bf16 kernel (None: where it is available)."""
+    def from_linear(cls, linear: nn.Linear, few_rows_kernel: bool | None = None,
+                    kernel_only: bool | None = None) -> PackedLinear:
+        """`few_rows_kernel`: also pack bf16 weights for kvserve's bf16 kernel (None: where it is
+        available). `kernel_only`: that copy alone serves every row count, with no oneDNN copy
+        (None: where oneDNN would emulate bf16)."""
         weight = linear.weight.detach()
-        # No batch-size hint: the layout then suits every row count (measured at 1 to 256 rows).
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if few_rows_kernel is None:
             few_rows_kernel = bf16_gemm_available()
-        few_rows_kernel = few_rows_kernel and weight.dtype is torch.bfloat16
-        few_rows_weight = pack_bf16(weight) if few_rows_kernel else None
+        few_rows_weight = pack_bf16(weight) if few_rows_kernel and weight.dtype is torch.bfloat16 else None
+        if kernel_only is None:
+            kernel_only = onednn_emulates_bf16(weight.dtype)
+        packed = None
+        if not (kernel_only and few_rows_weight is not None):
+            # No batch-size hint: the layout then suits every row count (measured at 1 to 256 rows).
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return cls(packed, bias, linear.in_features, linear.out_features, few_rows_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows_weight is not None and x.numel() <= FEW_ROWS_MAX * self.in_features:
+        if self.few_rows_weight is not None and (self.packed_weight is None
+                                                 or x.numel() <= FEW_ROWS_MAX * self.in_features):
             return bf16_linear(x, self.few_rows_weight, self.bias, self.out_features)
         return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"few_rows_kernel={self.few_rows_weight is not None}")
+                f"few_rows_kernel={self.few_rows_weight is not None}, onednn={self.packed_weight is not None}")
 
 
 def pack_linear_weights(model: nn.Module, few_rows_kernel: bool | None = None, float32: bool = False) -> int:
@@ -140,13 +162,16 @@ def _packing_targets(model: nn.Module, float32: bool = False) -> list[tuple[nn.M
 
 
 def packable_weight_bytes(model: nn.Module) -> int:
-    """The bytes of the bf16 weights pack_linear_weights would pack: what the few-row kernel's
-    copies of them would add."""
-    return sum(child.weight.numel() * child.weight.element_size() for _, _, child in _packing_targets(model))
+    """The bytes the few-row kernel's copies would add beside oneDNN's if pack_linear_weights made
+    them: those of the bf16 weights it would pack, but where oneDNN would emulate bf16 (there the
+    kernel's copy is the only one, adding nothing)."""
+    return sum(child.weight.numel() * child.weight.element_size() for _, _, child in _packing_targets(model)
+               if not onednn_emulates_bf16(child.weight.dtype))
 
 
 def few_rows_weight_bytes(model: nn.Module) -> int:
-    """The bytes of the few-row kernel's weight copies in `model` (beside oneDNN's, which replace
-    the dense weights): memory that module.parameters() and buffers() do not count."""
+    """The bytes of the few-row kernel's weight copies in `model` beside oneDNN's (which replace the
+    dense weights, as a copy without oneDNN's does): memory that module.parameters() and buffers()
+    do not count."""
     return sum(m.few_rows_weight.numel() * m.few_rows_weight.element_size() for m in model.modules()
-               if isinstance(m, PackedLinear) and m.few_rows_weight is not None)
+               if isinstance(m, PackedLinear) and m.few_rows_weight is not None and m.packed_weight is not None)

@@ -19,7 +19,8 @@ import logging
 import torch
 
 from kvserve.engine.kv_memory import MemorySources, cpu_memory_headroom
-from kvserve.engine.model.packed_linear import few_rows_weight_bytes, pack_linear_weights, packable_weight_bytes
+from kvserve.engine.model.packed_linear import (PackedLinear, few_rows_weight_bytes, pack_linear_weights,
+                                                packable_weight_bytes)
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.quantization import quantize_model
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available
@@ -49,8 +50,9 @@ def prepack(model: CausalLM, device: torch.device, weights_bytes: int,
     if device.type != "cpu":
         return 0
     few_rows = bf16_gemm_available()
-    if few_rows:
-        copy_bytes, headroom = packable_weight_bytes(model), cpu_memory_headroom(weights_bytes, memory_sources)
+    copy_bytes = packable_weight_bytes(model) if few_rows else 0
+    if copy_bytes:
+        headroom = cpu_memory_headroom(weights_bytes, memory_sources)
         few_rows = headroom is not None and copy_bytes <= FEW_ROWS_COPY_MAX_SHARE * headroom
         if not few_rows:
             logger.info("few-row bf16 kernel off: its copy of the weights (%.2f GiB) would take more than "
@@ -59,6 +61,11 @@ def prepack(model: CausalLM, device: torch.device, weights_bytes: int,
                         "memory" if headroom is None else f"{headroom / 2**30:.2f} GiB")
     packed = pack_linear_weights(model, few_rows_kernel=few_rows, float32=float32)
     added = few_rows_weight_bytes(model)
-    logger.info("%d linear layers' weights prepacked for oneDNN%s", packed,
-                f", and for the few-row bf16 kernel (+{added / 2**20:.0f} MiB)" if added else "")
+    kernel_only = sum(m.packed_weight is None for m in model.modules() if isinstance(m, PackedLinear))
+    if kernel_only < packed or not packed:
+        logger.info("%d linear layers' weights prepacked for oneDNN%s", packed - kernel_only,
+                    f", and for the few-row bf16 kernel (+{added / 2**20:.0f} MiB)" if added else "")
+    if kernel_only:
+        logger.info("%d linear layers' weights packed for kvserve's bf16 kernel alone (this CPU has no bf16 "
+                    "arithmetic, which oneDNN would emulate)", kernel_only)
     return added

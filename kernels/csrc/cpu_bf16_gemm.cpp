@@ -1,4 +1,5 @@
-// bf16 x bf16 -> bf16 linear layers for decode steps (1-128 rows) on AVX-512 BF16 and AMX.
+// bf16 x bf16 -> bf16 linear layers for decode steps (1-128 rows) on AVX-512 (BF16 and AMX where
+// the CPU has them), and for every row count on AVX-512 CPUs without BF16, where oneDNN emulates bf16.
 //
 // At 1-16 rows a linear layer is a pass over its weights: each weight is used by a handful of
 // rows only, so the time is the bytes read over the memory bandwidth. oneDNN's prepacked bf16
@@ -8,7 +9,9 @@
 // Layout (pack_bf16 in kernels/cpu_bf16_gemm.py builds it): [N/16][K/2][16][2] bf16, N and K
 // zero-padded to multiples of 16 and 2. Element (c, 2p + j) of a tile of 16 output channels sits at
 // [p][c][j]: one 64-byte load holds 2 inputs of all 16 channels, which `vdpbf16ps` multiplies by
-// one broadcast pair of an activation row into 16 fp32 sums, one per lane (no horizontal sums).
+// one broadcast pair of an activation row into 16 fp32 sums, one per lane (no horizontal sums);
+// without AVX-512 BF16 a shift and a mask widen the weight pair to two fp32 vectors for two FMAs
+// against the activations, widened to fp32 once per call (pass below).
 // A pass reads T tiles side by side (T independent streams, T x R accumulators in registers) for
 // up to kMaxRows rows; more rows loop over row blocks while the tiles are still in L2. Threads split
 // the tiles (at::parallel_for over N). fp32 accumulation; the bias is added in fp32; the result is
@@ -22,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/to.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -34,9 +38,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512BF16__)
-#error "cpu_bf16_gemm needs AVX-512 (F, BW) and AVX-512 BF16"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "cpu_bf16_gemm needs AVX-512 (F, BW)"
 #endif
 
 namespace {
@@ -49,6 +54,10 @@ constexpr int kPrefetchBytes = 8 * 64;
 
 using BF16 = c10::BFloat16;
 
+// Unrolled before GCC decides where arrays live, so a pass's accumulators stay in registers (left
+// to -O3's later unrolling, acc[R][T] went to the stack: a load and a store around every FMA).
+#define UNROLL _Pragma("GCC unroll 16")
+
 // Tiles per pass for R rows: as many independent accumulators as the 32 registers allow.
 constexpr int tiles_per_pass(int rows) { return rows <= 4 ? 4 : (rows == 5 ? 3 : 2); }
 
@@ -58,63 +67,102 @@ inline __mmask16 channel_mask(int64_t c0, int64_t n) {
   return valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
 }
 
+// 16 fp32 sums rounded to bf16, to nearest even as torch rounds (a NaN stays a NaN).
+inline __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+
 inline __m512 load_bias(const BF16* bias, __mmask16 mask) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+inline __m512 load_bias(const float* bias, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, bias); }
+
+inline void store_row(BF16* out, __mmask16 mask, __m512 v) { _mm256_mask_storeu_epi16(out, mask, to_bf16(v)); }
+
 // R rows x T tiles: w points at the first tile, tile_elems apart; out at column n0 of row 0.
-template <int R, int T>
-void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64_t ldx, const BF16* bias,
-          BF16* out, int64_t ldo, int64_t n0, int64_t n, bool prefetch) {
+// In is the activations' type (the bias has it too), Out the result's. bf16 activations multiply
+// pairs in vdpbf16ps (CPUs with AVX-512 BF16); fp32 ones (bf16 activations widened once per call,
+// on AVX-512 CPUs without BF16) meet each weight pair widened in registers (the low half of a 32-bit
+// lane is input 2p, the high half 2p + 1: a shift and a mask make both fp32) in two FMAs. Either
+// way the products are exact in fp32 and the sums fp32; they differ only in the order of roundings.
+template <int R, int T, typename In, typename Out>
+void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t ldx, const In* bias,
+          Out* out, int64_t ldo, int64_t n0, int64_t n, bool prefetch) {
   __m512 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   const char* wt[T];
-  for (int t = 0; t < T; ++t) wt[t] = reinterpret_cast<const char*>(w + t * tile_elems);
+  UNROLL for (int t = 0; t < T; ++t) wt[t] = reinterpret_cast<const char*>(w + t * tile_elems);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i wv[T];
-    for (int t = 0; t < T; ++t) {
+    UNROLL for (int t = 0; t < T; ++t) {
       // One cache line per tile and step: the prefetch runs ahead of exactly one stream line each.
       if (prefetch) _mm_prefetch(wt[t] + p * 64 + kPrefetchBytes, _MM_HINT_T0);
       wv[t] = _mm512_loadu_si512(wt[t] + p * 64);
     }
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, (__m512bh)wv[t]);
+    if constexpr (std::is_same_v<In, BF16>) {
+#ifdef __AVX512BF16__
+      UNROLL for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        UNROLL for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, (__m512bh)wv[t]);
+      }
+#endif
+    } else {
+      __m512 even[T], odd[T];
+      UNROLL for (int t = 0; t < T; ++t) {
+        even[t] = _mm512_castsi512_ps(_mm512_slli_epi32(wv[t], 16));
+        odd[t] = _mm512_castsi512_ps(_mm512_and_si512(wv[t], high_half));
+      }
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m512 a0 = _mm512_set1_ps(x[r * ldx + 2 * p]), a1 = _mm512_set1_ps(x[r * ldx + 2 * p + 1]);
+        UNROLL for (int t = 0; t < T; ++t) {
+          acc[r][t] = _mm512_fmadd_ps(a1, odd[t], _mm512_fmadd_ps(a0, even[t], acc[r][t]));
+        }
+      }
     }
   }
-  for (int t = 0; t < T; ++t) {
+  UNROLL for (int t = 0; t < T; ++t) {
     const int64_t c0 = n0 + t * kTile;
     const __mmask16 mask = channel_mask(c0, n);
     const __m512 b = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][t], b));
-      _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, (__m256i)rounded);
-    }
+    UNROLL for (int r = 0; r < R; ++r) store_row(out + r * ldo + c0, mask, _mm512_add_ps(acc[r][t], b));
   }
 }
 
-using PassFn = void (*)(const BF16*, int64_t, int64_t, const BF16*, int64_t, const BF16*, BF16*, int64_t, int64_t,
+template <typename In, typename Out>
+using PassFn = void (*)(const BF16*, int64_t, int64_t, const In*, int64_t, const In*, Out*, int64_t, int64_t,
                         int64_t, bool);
 
-template <int R>
-constexpr PassFn pass_for_tiles(int t) {
-  return t == 4 ? &pass<R, 4> : t == 3 ? &pass<R, 3> : t == 2 ? &pass<R, 2> : &pass<R, 1>;
+template <int R, typename In, typename Out>
+constexpr PassFn<In, Out> pass_for_tiles(int t) {
+  return t == 4 ? &pass<R, 4, In, Out> : t == 3 ? &pass<R, 3, In, Out> : t == 2 ? &pass<R, 2, In, Out>
+                                                                                : &pass<R, 1, In, Out>;
 }
 
-PassFn pass_for(int rows, int tiles) {
+template <typename In, typename Out>
+PassFn<In, Out> pass_for(int rows, int tiles) {
   switch (rows) {
-    case 8: return pass_for_tiles<8>(std::min(tiles, 2));
-    case 7: return pass_for_tiles<7>(std::min(tiles, 2));
-    case 6: return pass_for_tiles<6>(std::min(tiles, 2));
-    case 5: return pass_for_tiles<5>(std::min(tiles, 3));
-    case 4: return pass_for_tiles<4>(tiles);
-    case 3: return pass_for_tiles<3>(tiles);
-    case 2: return pass_for_tiles<2>(tiles);
-    default: return pass_for_tiles<1>(tiles);
+    case 8: return pass_for_tiles<8, In, Out>(std::min(tiles, 2));
+    case 7: return pass_for_tiles<7, In, Out>(std::min(tiles, 2));
+    case 6: return pass_for_tiles<6, In, Out>(std::min(tiles, 2));
+    case 5: return pass_for_tiles<5, In, Out>(std::min(tiles, 3));
+    case 4: return pass_for_tiles<4, In, Out>(tiles);
+    case 3: return pass_for_tiles<3, In, Out>(tiles);
+    case 2: return pass_for_tiles<2, In, Out>(tiles);
+    default: return pass_for_tiles<1, In, Out>(tiles);
   }
 }
 
@@ -165,8 +213,7 @@ void store_tile_rows(const float* sums, int rows, const BF16* bias, BF16* out, i
   const __mmask16 mask = channel_mask(c0, n);
   const __m512 bv = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
   for (int r = 0; r < rows; ++r) {
-    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + r * 16), bv);
-    _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+    store_row(out + r * ldo + c0, mask, _mm512_add_ps(_mm512_loadu_ps(sums + r * 16), bv));
   }
 }
 
@@ -312,14 +359,10 @@ void amx_gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tile
 }
 #endif
 
-void gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, const BF16* bias,
-          BF16* out, int64_t n) {
-#ifdef __AMX_BF16__
-  if (m > kVectorMaxRows && pairs % 16 == 0 && amx_usable()) {
-    amx_gemm(x, m, ldx, w, tiles, pairs, bias, out, n);
-    return;
-  }
-#endif
+// The vector passes over all rows: threads split the tiles, each pass takes up to kMaxRows rows.
+template <typename In, typename Out>
+void vector_gemm(const In* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, const In* bias,
+                 Out* out, int64_t n) {
   const int64_t tile_elems = pairs * 2 * kTile;
   const int group = tiles_per_pass(static_cast<int>(std::min<int64_t>(m, kMaxRows)));
   // Whole groups per thread where the layer is large enough; the small layers still split in two.
@@ -329,11 +372,33 @@ void gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, i
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
         // Only the first row block streams the tiles from memory; later blocks find them in L2.
-        pass_for(rows, width)(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, bias, out + r0 * n, n,
-                              t0 * kTile, n, r0 == 0);
+        pass_for<In, Out>(rows, width)(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, bias,
+                                       out + r0 * n, n, t0 * kTile, n, r0 == 0);
       }
     }
   });
+}
+
+// bf16 activations: AMX tiles above kVectorMaxRows rows where the CPU has them, vdpbf16ps on
+// AVX-512 BF16; without either, the rows are widened to fp32 once and take the FMA passes.
+void gemm(const at::Tensor& rows, const BF16* w, int64_t tiles, int64_t pairs, const at::Tensor& bias,
+          at::Tensor& out) {
+  const int64_t m = rows.size(0), n = out.size(1);
+#ifdef __AVX512BF16__
+  const BF16* b = bias.defined() ? bias.data_ptr<BF16>() : nullptr;
+#ifdef __AMX_BF16__
+  if (m > kVectorMaxRows && pairs % 16 == 0 && amx_usable()) {
+    amx_gemm(rows.data_ptr<BF16>(), m, rows.size(1), w, tiles, pairs, b, out.data_ptr<BF16>(), n);
+    return;
+  }
+#endif
+  vector_gemm<BF16, BF16>(rows.data_ptr<BF16>(), m, rows.size(1), w, tiles, pairs, b, out.data_ptr<BF16>(), n);
+#else
+  const at::Tensor wide = rows.to(at::kFloat);
+  const at::Tensor wide_bias = bias.defined() ? bias.to(at::kFloat) : at::Tensor();
+  vector_gemm<float, BF16>(wide.data_ptr<float>(), m, wide.size(1), w, tiles, pairs,
+                           wide_bias.defined() ? wide_bias.data_ptr<float>() : nullptr, out.data_ptr<BF16>(), n);
+#endif
 }
 
 std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
@@ -364,10 +429,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
                       out_features, "], got ", bias->sizes());
     b = bias->to(at::kBFloat16).contiguous();
   }
-  if (rows.size(0) > 0) {
-    gemm(rows.data_ptr<BF16>(), rows.size(0), rows.size(1), packed.data_ptr<BF16>(), tiles, pairs,
-         b.defined() ? b.data_ptr<BF16>() : nullptr, out.data_ptr<BF16>(), out_features);
-  }
+  if (rows.size(0) > 0) gemm(rows, packed.data_ptr<BF16>(), tiles, pairs, b, out);
   return out.view(out_shape(x, out_features));
 }
 

@@ -1,4 +1,5 @@
-"""`--dtype auto` on CPU: bfloat16 only where the CPU multiplies it in hardware."""
+"""`--dtype auto` on CPU: bfloat16 where the CPU multiplies it in hardware or where kvserve's
+bf16-weight kernel runs (AVX-512 and a compiler), float32 elsewhere."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ def test_x86_with_bf16_arithmetic_picks_bfloat16(flags: frozenset[str]) -> None:
 
 
 @pytest.mark.parametrize("flags", [AVX2_ONLY, AVX512, frozenset()])
-def test_x86_without_it_picks_float32(flags: frozenset[str]) -> None:
-    assert cpu_default_dtype(flags, "x86_64") is torch.float32
+def test_x86_without_it_or_the_bf16_kernel_picks_float32(flags: frozenset[str]) -> None:
+    assert cpu_default_dtype(flags, "x86_64", bf16_kernel=False) is torch.float32
+
+
+def test_avx512_without_bf16_arithmetic_picks_bfloat16_where_the_bf16_kernel_loads() -> None:
+    assert cpu_default_dtype(AVX512, "x86_64", bf16_kernel=True) is torch.bfloat16
+    # The kernel needs AVX-512: an AVX2 CPU is never asked to build it.
+    assert cpu_default_dtype(AVX2_ONLY, "x86_64") is torch.float32
 
 
 def test_other_architectures_keep_bfloat16() -> None:
@@ -40,6 +47,14 @@ def test_auto_follows_this_cpu_and_says_so_when_it_is_float32(monkeypatch: pytes
     assert "no bfloat16 arithmetic" in caplog.text
     monkeypatch.setattr(device_module, "cpu_flags", lambda: AVX512 | {"avx512_bf16"})
     assert resolve_dtype(EngineConfig(), CPU) is torch.bfloat16
+    caplog.clear()
+    monkeypatch.setattr(device_module, "cpu_flags", lambda: AVX512)
+    monkeypatch.setattr(device_module, "bf16_gemm_available", lambda: True)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.device"):
+        assert resolve_dtype(EngineConfig(), CPU) is torch.bfloat16
+    assert "bfloat16 on kvserve's bf16-weight kernel" in caplog.text
+    monkeypatch.setattr(device_module, "bf16_gemm_available", lambda: False)  # e.g. no compiler
+    assert resolve_dtype(EngineConfig(), CPU) is torch.float32
 
 
 def test_an_explicit_dtype_is_kept_whatever_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,9 @@
 """Prepacked bf16 linear layers compute exactly what F.linear computes on oneDNN's path, and to
 bf16's last bit on kvserve's few-row kernel, eagerly and compiled; pack_linear_weights packs every
-bf16 nn.Linear and leaves float32 models alone."""
+bf16 nn.Linear and leaves float32 models alone. Where the CPU has bf16 arithmetic the kernel's copy
+sits beside oneDNN's (counted against memory, dropped where memory is short); where oneDNN would
+emulate bf16 the kernel's copy alone serves every row count, adding no memory. Both CPU kinds are
+stood for by the `native_bf16` fixture, whatever this CPU is."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.model import packed_linear as packed_linear_module
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, PackedLinear, few_rows_weight_bytes,
                                                 pack_linear_weights, packable_weight_bytes, weight_packing_supported)
@@ -25,6 +29,14 @@ from tests.engine.test_model_runner import CONFIG, PLAN, fresh_seqs, run_steps
 
 pytestmark = pytest.mark.skipif(not weight_packing_supported(torch.bfloat16, torch.device("cpu")),
                                 reason="oneDNN has no bf16 kernels on this CPU")
+needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 or no C++ compiler here")
+
+
+@pytest.fixture(params=[True, False], ids=["native-bf16", "emulated-bf16"])
+def native_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether the CPU multiplies bf16 in hardware, as packing sees it."""
+    monkeypatch.setattr(packed_linear_module, "native_bf16_arithmetic", lambda: request.param)
+    return request.param
 
 
 def _linear(bias: bool) -> nn.Linear:
@@ -49,18 +61,20 @@ def test_packed_linear_equals_f_linear_bit_for_bit_on_onednn(rows, bias) -> None
     assert torch.equal(out, expected)
 
 
-@pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
-@pytest.mark.parametrize("rows", [(1,), (8,), (2, 3), (64,), (2, 40), (FEW_ROWS_MAX,), (FEW_ROWS_MAX + 1,)])
-def test_the_few_row_kernel_agrees_with_onednn_to_bf16s_last_bit(rows) -> None:
+@needs_kernel
+@pytest.mark.parametrize("rows", [(1,), (8,), (2, 3), (64,), (2, 40), (FEW_ROWS_MAX,), (FEW_ROWS_MAX + 1,), (300,)])
+def test_the_few_row_kernel_agrees_with_onednn_to_bf16s_last_bit(rows, native_bf16: bool) -> None:
     linear = _linear(bias=True)
     x = torch.randn(*rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
-        both = PackedLinear.from_linear(linear, few_rows_kernel=True)
-        out = both(x)
+        layer = PackedLinear.from_linear(linear, few_rows_kernel=True)
+        out = layer(x)
         expected = PackedLinear.from_linear(linear, few_rows_kernel=False)(x)
-    assert both.few_rows_weight is not None and out.shape == (*rows, 96) and out.dtype == torch.bfloat16
+    assert layer.few_rows_weight is not None and out.shape == (*rows, 96) and out.dtype == torch.bfloat16
+    # Without bf16 arithmetic the kernel's copy is the only one, for every row count.
+    assert (layer.packed_weight is not None) is native_bf16
     torch.testing.assert_close(out, expected, rtol=2**-7, atol=2**-7)
-    if x.numel() > FEW_ROWS_MAX * 64:
+    if x.numel() > FEW_ROWS_MAX * 64 and native_bf16:
         assert torch.equal(out, expected)  # oneDNN's path itself
 
 
@@ -89,18 +103,26 @@ def test_pack_linear_weights_packs_every_bf16_linear_and_no_float32_one() -> Non
     assert isinstance(model.lm_head, PackedLinear)
 
 
-def test_the_few_row_copies_are_counted_for_the_memory_budget() -> None:
+def test_the_few_row_copies_are_counted_for_the_memory_budget(native_bf16: bool) -> None:
     model = _model(torch.bfloat16)
     pack_linear_weights(model, few_rows_kernel=False)
     assert few_rows_weight_bytes(model) == 0
+    assert all(m.packed_weight is not None for m in model.modules() if isinstance(m, PackedLinear))
     model = _model(torch.bfloat16)
     dense = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
+    assert packable_weight_bytes(model) == (dense if native_bf16 else 0)
     pack_linear_weights(model, few_rows_kernel=True)
-    assert few_rows_weight_bytes(model) >= dense  # the same weights, zero-padded to whole tiles
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.few_rows_weight is not None for m in layers)
+    if native_bf16:
+        assert few_rows_weight_bytes(model) >= dense  # the same weights, zero-padded to whole tiles
+    else:  # the kernel's copy replaces oneDNN's: nothing beside the weights
+        assert few_rows_weight_bytes(model) == 0 and all(m.packed_weight is None for m in layers)
 
 
-@pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 BF16 or no C++ compiler here")
-def test_prepack_keeps_the_few_row_copy_only_where_memory_is_plentiful(tmp_path, caplog) -> None:
+@needs_kernel
+def test_prepack_keeps_the_few_row_copy_only_where_memory_is_plentiful(tmp_path, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear_module, "native_bf16_arithmetic", lambda: True)
     dense = packable_weight_bytes(_model(torch.bfloat16))
     # The copy within a quarter of what is left after the weights: made, and counted (meminfo is in kB).
     (tmp_path / "roomy").mkdir()
@@ -124,6 +146,22 @@ def test_prepack_keeps_the_few_row_copy_only_where_memory_is_plentiful(tmp_path,
     assert added == 0
 
 
+@needs_kernel
+def test_without_bf16_arithmetic_prepack_gives_every_layer_the_kernel_alone_whatever_the_memory(
+        tmp_path, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear_module, "native_bf16_arithmetic", lambda: False)
+    model = _model(torch.bfloat16)
+    dense = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.worker.model_preparation"):
+        added = prepack(model, torch.device("cpu"), dense, host(tmp_path, available=dense))  # no headroom
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert added == 0 and len(layers) == 4 * CONFIG.num_layers + 1
+    assert all(m.packed_weight is None and m.few_rows_weight is not None for m in layers)
+    assert "few-row bf16 kernel off" not in caplog.text
+    assert f"{len(layers)} linear layers' weights packed for kvserve's bf16 kernel alone" in caplog.text
+    assert "prepacked for oneDNN" not in caplog.text
+
+
 def _runner(packed: bool, compiled: bool, few_rows_kernel: bool | None = None) -> ModelRunner:
     model = _model(torch.bfloat16)
     if packed:
@@ -132,7 +170,7 @@ def _runner(packed: bool, compiled: bool, few_rows_kernel: bool | None = None) -
                        TorchAttentionBackend(), torch.device("cpu"), eos_token_ids=(), compiled=compiled)
 
 
-def test_a_packed_model_samples_what_the_dense_one_samples() -> None:
+def test_a_packed_model_samples_what_the_dense_one_samples(native_bf16: bool) -> None:
     dense, packed = _runner(packed=False, compiled=False), _runner(packed=True, compiled=False, few_rows_kernel=False)
     dense_tokens = run_steps(dense, PLAN, fresh_seqs())
     assert run_steps(packed, PLAN, fresh_seqs()) == dense_tokens
