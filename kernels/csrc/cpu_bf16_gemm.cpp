@@ -90,14 +90,14 @@ inline __m512 load_bias(const float* bias, __mmask16 mask) { return _mm512_maskz
 inline void store_row(BF16* out, __mmask16 mask, __m512 v) { _mm256_mask_storeu_epi16(out, mask, to_bf16(v)); }
 
 // R rows x T tiles: w points at the first tile, tile_elems apart; out at column n0 of row 0.
-// In is the activations' type (the bias has it too), Out the result's. bf16 activations multiply
+// In is the activations' type (the bias has it too). bf16 activations multiply
 // pairs in vdpbf16ps (CPUs with AVX-512 BF16); fp32 ones (bf16 activations widened once per call,
 // on AVX-512 CPUs without BF16) meet each weight pair widened in registers (the low half of a 32-bit
 // lane is input 2p, the high half 2p + 1: a shift and a mask make both fp32) in two FMAs. Either
 // way the products are exact in fp32 and the sums fp32; they differ only in the order of roundings.
-template <int R, int T, typename In, typename Out>
+template <int R, int T, typename In>
 void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t ldx, const In* bias,
-          Out* out, int64_t ldo, int64_t n0, int64_t n, bool prefetch) {
+          BF16* out, int64_t ldo, int64_t n0, int64_t n, bool prefetch) {
   __m512 acc[R][T];
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -142,27 +142,26 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t
   }
 }
 
-template <typename In, typename Out>
-using PassFn = void (*)(const BF16*, int64_t, int64_t, const In*, int64_t, const In*, Out*, int64_t, int64_t,
+template <typename In>
+using PassFn = void (*)(const BF16*, int64_t, int64_t, const In*, int64_t, const In*, BF16*, int64_t, int64_t,
                         int64_t, bool);
 
-template <int R, typename In, typename Out>
-constexpr PassFn<In, Out> pass_for_tiles(int t) {
-  return t == 4 ? &pass<R, 4, In, Out> : t == 3 ? &pass<R, 3, In, Out> : t == 2 ? &pass<R, 2, In, Out>
-                                                                                : &pass<R, 1, In, Out>;
+template <int R, typename In>
+constexpr PassFn<In> pass_for_tiles(int t) {
+  return t == 4 ? &pass<R, 4, In> : t == 3 ? &pass<R, 3, In> : t == 2 ? &pass<R, 2, In> : &pass<R, 1, In>;
 }
 
-template <typename In, typename Out>
-PassFn<In, Out> pass_for(int rows, int tiles) {
+template <typename In>
+PassFn<In> pass_for(int rows, int tiles) {
   switch (rows) {
-    case 8: return pass_for_tiles<8, In, Out>(std::min(tiles, 2));
-    case 7: return pass_for_tiles<7, In, Out>(std::min(tiles, 2));
-    case 6: return pass_for_tiles<6, In, Out>(std::min(tiles, 2));
-    case 5: return pass_for_tiles<5, In, Out>(std::min(tiles, 3));
-    case 4: return pass_for_tiles<4, In, Out>(tiles);
-    case 3: return pass_for_tiles<3, In, Out>(tiles);
-    case 2: return pass_for_tiles<2, In, Out>(tiles);
-    default: return pass_for_tiles<1, In, Out>(tiles);
+    case 8: return pass_for_tiles<8, In>(std::min(tiles, 2));
+    case 7: return pass_for_tiles<7, In>(std::min(tiles, 2));
+    case 6: return pass_for_tiles<6, In>(std::min(tiles, 2));
+    case 5: return pass_for_tiles<5, In>(std::min(tiles, 3));
+    case 4: return pass_for_tiles<4, In>(tiles);
+    case 3: return pass_for_tiles<3, In>(tiles);
+    case 2: return pass_for_tiles<2, In>(tiles);
+    default: return pass_for_tiles<1, In>(tiles);
   }
 }
 
@@ -360,9 +359,9 @@ void amx_gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tile
 #endif
 
 // The vector passes over all rows: threads split the tiles, each pass takes up to kMaxRows rows.
-template <typename In, typename Out>
+template <typename In>
 void vector_gemm(const In* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, const In* bias,
-                 Out* out, int64_t n) {
+                 BF16* out, int64_t n) {
   const int64_t tile_elems = pairs * 2 * kTile;
   const int group = tiles_per_pass(static_cast<int>(std::min<int64_t>(m, kMaxRows)));
   // Whole groups per thread where the layer is large enough; the small layers still split in two.
@@ -372,8 +371,8 @@ void vector_gemm(const In* x, int64_t m, int64_t ldx, const BF16* w, int64_t til
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
         // Only the first row block streams the tiles from memory; later blocks find them in L2.
-        pass_for<In, Out>(rows, width)(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, bias,
-                                       out + r0 * n, n, t0 * kTile, n, r0 == 0);
+        pass_for<In>(rows, width)(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, bias, out + r0 * n, n,
+                                  t0 * kTile, n, r0 == 0);
       }
     }
   });
@@ -392,12 +391,12 @@ void gemm(const at::Tensor& rows, const BF16* w, int64_t tiles, int64_t pairs, c
     return;
   }
 #endif
-  vector_gemm<BF16, BF16>(rows.data_ptr<BF16>(), m, rows.size(1), w, tiles, pairs, b, out.data_ptr<BF16>(), n);
+  vector_gemm<BF16>(rows.data_ptr<BF16>(), m, rows.size(1), w, tiles, pairs, b, out.data_ptr<BF16>(), n);
 #else
   const at::Tensor wide = rows.to(at::kFloat);
   const at::Tensor wide_bias = bias.defined() ? bias.to(at::kFloat) : at::Tensor();
-  vector_gemm<float, BF16>(wide.data_ptr<float>(), m, wide.size(1), w, tiles, pairs,
-                           wide_bias.defined() ? wide_bias.data_ptr<float>() : nullptr, out.data_ptr<BF16>(), n);
+  vector_gemm<float>(wide.data_ptr<float>(), m, wide.size(1), w, tiles, pairs,
+                     wide_bias.defined() ? wide_bias.data_ptr<float>() : nullptr, out.data_ptr<BF16>(), n);
 #endif
 }
 
