@@ -115,20 +115,16 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, few_rows_kernel: bool | None = None,
-                    kernel_only: bool | None = None) -> PackedLinear:
+    def from_linear(cls, linear: nn.Linear, few_rows_kernel: bool | None = None) -> PackedLinear:
         """`few_rows_kernel`: also pack bf16 weights for kvserve's bf16 kernel (None: where it is
-        available). `kernel_only`: that copy alone serves every row count, with no oneDNN copy
-        (None: where oneDNN would emulate bf16)."""
+        available). Where oneDNN would emulate bf16, that copy alone serves every row count."""
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if few_rows_kernel is None:
             few_rows_kernel = bf16_gemm_available()
         few_rows_weight = pack_bf16(weight) if few_rows_kernel and weight.dtype is torch.bfloat16 else None
-        if kernel_only is None:
-            kernel_only = onednn_emulates_bf16(weight.dtype)
         packed = None
-        if not (kernel_only and few_rows_weight is not None):
+        if few_rows_weight is None or not onednn_emulates_bf16(weight.dtype):
             # No batch-size hint: the layout then suits every row count (measured at 1 to 256 rows).
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return cls(packed, bias, linear.in_features, linear.out_features, few_rows_weight)

@@ -62,8 +62,9 @@ def prepack(model: CausalLM, device: torch.device, weights_bytes: int,
     packed = pack_linear_weights(model, few_rows_kernel=few_rows, float32=float32)
     added = few_rows_weight_bytes(model)
     kernel_only = sum(m.packed_weight is None for m in model.modules() if isinstance(m, PackedLinear))
-    if kernel_only < packed or not packed:
-        logger.info("%d linear layers' weights prepacked for oneDNN%s", packed - kernel_only,
+    onednn = packed - kernel_only
+    if onednn or not kernel_only:
+        logger.info("%d linear layers' weights prepacked for oneDNN%s", onednn,
                     f", and for the few-row bf16 kernel (+{added / 2**20:.0f} MiB)" if added else "")
     if kernel_only:
         logger.info("%d linear layers' weights packed for kvserve's bf16 kernel alone (this CPU has no bf16 "
