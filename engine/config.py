@@ -35,7 +35,9 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    # Tokens per engine step (prefill chunks + decodes); None: by device (engine/step_tokens.py),
+    # resolved when the engine is built.
+    max_num_batched_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # fcfs: arrival order | priority: a request's priority, then arrival
     long_prefill_token_threshold: int = 0  # most prompt tokens one request computes per step (0: no cap)
     num_kv_blocks: int | None = None
@@ -78,7 +80,7 @@ class EngineConfig:
             raise ConfigError("--device", f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for option, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens", self.max_num_batched_tokens),
                               ("--tensor-parallel-size", self.tensor_parallel_size)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(option, f"{option} must be at least 1, got {value}")
         policies = tuple(policy.value for policy in SchedulingPolicy)
         if self.scheduling_policy not in policies:

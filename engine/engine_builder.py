@@ -10,7 +10,7 @@ or worker process starts.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from kvserve.engine.model.model_config import ModelConfig, end_of_generation_ids
 from kvserve.engine.model.model_source import ModelSource, resolve_model
 from kvserve.engine.model.registry import load_model_config
 from kvserve.engine.model.tensor_parallel import check_tensor_parallel
+from kvserve.engine.step_tokens import default_max_num_batched_tokens
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.worker import WorkerSpec
 from kvserve.kernels.cpu_kernel_build import cpp_toolchain_problem
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineParts:
+    config: EngineConfig  # the one given, with its device-dependent defaults filled in
     model_config: ModelConfig
     tokenizer: Tokenizer
     scheduler: Scheduler
@@ -45,6 +47,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     threads = apply_cpu_threads(config.cpu_threads)
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
+    if config.max_num_batched_tokens is None:
+        config = replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
+            device.type, threads, config.max_num_seqs))
     if config.quantization is not None and device.type != "cpu":
         raise ConfigError("--quantization", f"--quantization {config.quantization} uses torch's CPU weight-only "
                                             f"kernels; it is not available on {device}")
@@ -75,15 +80,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     runner = executor.driver.runner
     logger.info(
         "model %s (%s) on %s in %s%s%s; KV cache (%s): %d blocks of %d tokens, %.2f GiB; attention: %s; "
-        "%d CPU threads; %s forward",
+        "%d CPU threads; %s forward; steps of up to %d tokens",
         config.model, model_config.architecture, device, str(dtype).removeprefix("torch."),
         f" with {config.quantization} weights" if config.quantization else "",
         f", {config.tensor_parallel_size} tensor-parallel ranks" if config.tensor_parallel_size > 1 else "",
         kv_cache_config.groups[0].spec.dtype, kv_cache_config.num_blocks, kv_cache_config.block_size,
         kv_cache_config.total_bytes * config.tensor_parallel_size / 2**30, runner.attention.name, threads,
-        "compiled" if runner.compiled else "eager",
+        "compiled" if runner.compiled else "eager", config.max_num_batched_tokens,
     )
-    return EngineParts(model_config, tokenizer, scheduler, executor)
+    return EngineParts(config, model_config, tokenizer, scheduler, executor)
 
 
 def worker_spec(config: EngineConfig, source: ModelSource, device: torch.device, dtype: torch.dtype,

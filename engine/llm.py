@@ -29,7 +29,7 @@ class LLM:
         device: str = "auto",
         block_size: int = 16,
         max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,

@@ -70,7 +70,7 @@ class LLMEngine:
         from kvserve.engine.engine_builder import build_engine_parts
 
         parts = build_engine_parts(config)
-        return cls(config, parts.model_config, parts.tokenizer, parts.scheduler, parts.executor, stats_listeners)
+        return cls(parts.config, parts.model_config, parts.tokenizer, parts.scheduler, parts.executor, stats_listeners)
 
     @property
     def max_model_len(self) -> int:
