@@ -26,6 +26,7 @@ from kvserve.engine.model.tensor_parallel import check_tensor_parallel
 from kvserve.engine.step_tokens import default_max_num_batched_tokens
 from kvserve.engine.text.tokenizer import Tokenizer
 from kvserve.engine.worker import WorkerSpec
+from kvserve.kernels.cpu_bf16_gemm import bf16_matrix_tiles
 from kvserve.kernels.cpu_kernel_build import cpp_toolchain_problem
 from kvserve.paging import KVCacheManager
 from kvserve.scheduler import Scheduler, SchedulerConfig
@@ -48,8 +49,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config)
     dtype = resolve_dtype(config, device)
     if config.max_num_batched_tokens is None:
+        matrix_tiles = device.type == "cpu" and dtype == torch.bfloat16 and bf16_matrix_tiles()
         config = replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
-            device.type, threads, config.max_num_seqs))
+            device.type, threads, config.max_num_seqs, matrix_tiles=matrix_tiles))
     if config.quantization is not None and device.type != "cpu":
         raise ConfigError("--quantization", f"--quantization {config.quantization} uses torch's CPU weight-only "
                                             f"kernels; it is not available on {device}")

@@ -56,6 +56,11 @@ def native_bf16_arithmetic(flags: frozenset[str] | None = None) -> bool:
     return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
 
 
+def bf16_matrix_tiles(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in matrix tiles (AMX), several times its vector rate."""
+    return "amx_bf16" in (cpu_flags() if flags is None else flags)
+
+
 def load_bf16_gemm(cache_dir: Path | None = None, compiler: str | None = None,
                    flags: frozenset[str] | None = None) -> bool:
     """Builds (once per machine) and loads the kernel; False, said in one log line, where this CPU

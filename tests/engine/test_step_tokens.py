@@ -1,5 +1,6 @@
-"""--max-num-batched-tokens' default: 2048 on a GPU; on a CPU 256 tokens a thread between 512 and
-2048; never below --max-num-seqs. The engine resolves it once and every part sees that number."""
+"""--max-num-batched-tokens' default: 2048 on a GPU and on a CPU that multiplies the model's dtype in
+matrix tiles (AMX, bf16); on other CPUs 256 tokens a thread between 512 and 2048; never below
+--max-num-seqs. The engine resolves it once and every part sees that number."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from kvserve.engine import LLM
 from kvserve.engine.config import ConfigError, EngineConfig
 from kvserve.engine.step_tokens import default_max_num_batched_tokens
+from kvserve.kernels.cpu_bf16_gemm import bf16_matrix_tiles
 from tests.engine.tiny_model_dir import write_tiny_model
 
 
@@ -24,6 +26,17 @@ from tests.engine.tiny_model_dir import write_tiny_model
 ])
 def test_default_by_device(device: str, threads: int, max_num_seqs: int, expected: int) -> None:
     assert default_max_num_batched_tokens(device, threads, max_num_seqs) == expected
+
+
+@pytest.mark.parametrize(("threads", "max_num_seqs", "expected"), [(1, 128, 2048), (2, 128, 2048), (64, 128, 2048),
+                                                                  (2, 3000, 3000)])
+def test_matrix_tiles_take_full_steps(threads: int, max_num_seqs: int, expected: int) -> None:
+    assert default_max_num_batched_tokens("cpu", threads, max_num_seqs, matrix_tiles=True) == expected
+
+
+def test_bf16_matrix_tiles_reads_amx_bf16() -> None:
+    assert bf16_matrix_tiles(frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}))
+    assert not bf16_matrix_tiles(frozenset({"avx512f", "avx512_bf16"}))  # vectors only (Zen 4, Cooper Lake)
 
 
 def test_config_leaves_it_to_the_engine_and_still_refuses_zero() -> None:
@@ -48,5 +61,20 @@ def test_engine_resolves_the_default_once(tiny_dir, options: dict, expected: int
     try:
         assert llm.engine.config.max_num_batched_tokens == expected
         assert llm.engine.scheduler.config.max_num_batched_tokens == expected
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize(("dtype", "tiles", "expected"), [
+    ("bfloat16", True, 2048),
+    ("float32", True, 512),  # fp32 matmuls stay on vectors even where the CPU has AMX
+    ("bfloat16", False, 512),
+])
+def test_engine_asks_the_cpu_about_matrix_tiles(tiny_dir, monkeypatch, dtype: str, tiles: bool,
+                                                expected: int) -> None:
+    monkeypatch.setattr("kvserve.engine.engine_builder.bf16_matrix_tiles", lambda: tiles)
+    llm = LLM(str(tiny_dir), dtype=dtype, enforce_eager=True, num_kv_blocks=64, cpu_threads=1)
+    try:
+        assert llm.engine.config.max_num_batched_tokens == expected
     finally:
         llm.close()
