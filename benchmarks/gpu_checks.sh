@@ -7,7 +7,7 @@
 # Writes into "$OUT":
 #   env.txt              versions, device, and which Python packages the engine steps found
 #   gpu_tests.log        pytest -m gpu tests/kernels (the Triton kernels against the torch oracle)
-#   kernel_bench.log     benchmarks/kernels.py: the paged-attention kernel table
+#   kernel_bench.log     benchmarks/attention_kernels.py: the paged-attention kernel table
 #   w64.log, w64.json    the fixed workload (64 requests, 16-256 prompt and output tokens, greedy,
 #                        EOS ignored) through kvserve's LLM on the device, bf16 (benchmarks/offline.py)
 #   parity.log, parity.json   greedy parity with transformers on the device, float32 (+ bf16
@@ -106,7 +106,7 @@ if [ "$QUICK" = 1 ]; then
 fi
 
 step gpu_tests 200 gpu_tests.log python -m pytest -m gpu tests/kernels -q -p no:cacheprovider
-step kernel_bench 150 kernel_bench.log python benchmarks/kernels.py "${KERNEL_ARGS[@]}"
+step kernel_bench 150 kernel_bench.log python benchmarks/attention_kernels.py "${KERNEL_ARGS[@]}"
 
 missing="$(missing_from $ENGINE_PACKAGES)"
 problem="$( [ -z "$missing" ] && model_problem )"

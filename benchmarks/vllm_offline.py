@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-# Not on the import path: this folder's kernels.py would shadow the `kernels` package that
-# transformers (imported by vLLM) probes for. workload.py is loaded by its file name instead.
+# Not on the import path: this folder's scripts (serving.py, report.py, ...) are named like
+# modules vLLM or its dependencies may import. workload.py is loaded by its file name instead.
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCHMARKS]
 _spec = importlib.util.spec_from_file_location("workload", BENCHMARKS / "workload.py")

@@ -6,7 +6,7 @@ page walk). Linux's default THP mode on many distributions is `madvise`: a mappi
 pages only when asked. So each of the cache's planes is its own anonymous mapping, advised
 (MADV_HUGEPAGE) before its pages are first touched, so that they are faulted in huge. Measured
 on a 2-core AMD EPYC VM (SmolLM2's layer, 64 decodes of 128 / 512 tokens over 30 / 20 layers'
-caches as benchmarks/kernels.py builds them, the same caches copied onto huge pages or not,
+caches as benchmarks/attention_kernels.py builds them, the same caches copied onto huge pages or not,
 interleaved in one process): attention 1.10x; W64 offline with the bf16 decode route of the
 attention kernel, 1.08x at the median of 3 alternating pairs (benchmarks/offline.py). Best effort: where the call is missing or
 refused (another OS, THP `never`, no free 2 MB pages), the memory is the same, on 4 KB pages.

