@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from prefill_step import category, main, random_prompts
+from prefill_step import categorize, category, main, random_prompts
 
 
 @pytest.mark.parametrize("op, expected", [
@@ -42,3 +42,20 @@ def test_a_burst_larger_than_one_step_is_refused_before_any_engine_loads(monkeyp
                                      "--prompt-len", "128"])
     with pytest.raises(SystemExit, match="do not fit one step of 2048"):
         main()
+
+
+class _Event:  # the fields of a torch.profiler FunctionEvent that categorize() reads
+    def __init__(self, name: str, total_us: float, self_us: float, parent: "_Event | None" = None) -> None:
+        self.name, self.cpu_time_total, self.self_cpu_time_total, self.cpu_parent = name, total_us, self_us, parent
+
+
+def test_ops_count_whole_once_and_a_graph_only_its_own_time() -> None:
+    graph = _Event("## Call CompiledFxGraph abc ##", total_us=10_000, self_us=3_000)
+    attention = _Event("kvserve_cpu::paged_attention", total_us=4_000, self_us=500, parent=graph)
+    sdpa = _Event("aten::_scaled_dot_product_flash_attention_for_cpu", total_us=3_000, self_us=2_500, parent=attention)
+    gather = _Event("aten::copy_", total_us=500, self_us=500, parent=sdpa)
+    linear = _Event("mkldnn::_linear_pointwise", total_us=2_500, self_us=2_000, parent=graph)
+    reorder = _Event("aten::copy_", total_us=500, self_us=500, parent=linear)
+    loose = _Event("aten::copy_", total_us=700, self_us=700)
+    out = categorize([graph, attention, sdpa, gather, linear, reorder, loose])
+    assert out == {"fused elementwise": 3.0, "attention": 4.0, "linear layers": 2.5}
