@@ -4,8 +4,8 @@ them go through the model in one step, as the first steps of a burst of requests
 streams is a few such steps). Prints the wall time of each burst and where one burst's time goes,
 by torch.profiler op events sorted into the same categories for both engines:
 
-  linear layers       kvserve: packed_linear / mkldnn linear / its bf16 kernel; vLLM: onednn_mm,
-                      weight_packed_linear; both: aten mm / addmm / linear
+  linear layers       kvserve: its linear ops (profile_ops.py, as step_profile.py); vLLM: onednn_mm,
+                      weight_packed_linear
   attention           kvserve: paged_attention (SDPA and its gathers inside it included) +
                       write_kv_cache; vLLM: cpu_attention_with_kv_cache, cpu_attn_reshape_and_cache
                       and their wrappers
@@ -31,44 +31,41 @@ import os
 import random
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-LINEAR_OPS = ("packed_linear", "_linear_pointwise", "bf16_linear", "onednn_mm", "weight_packed_linear",
-              "aten::mm", "aten::addmm", "aten::linear", "int4_linear", "int8_linear")
-ATTENTION_OPS = ("paged_attention", "write_kv_cache", "scaled_dot_product", "cpu_attention_with_kv_cache",
-                 "cpu_attn_reshape_and_cache", "unified_attention", "unified_kv_cache_update")
+from profile_ops import KVSERVE_ATTENTION_OP_PREFIXES, KVSERVE_LINEAR_OPS, outermost_op_seconds
+
+# vLLM's ops; kvserve's come from profile_ops.py. aten's SDPA counts as attention wherever it runs.
+VLLM_LINEAR_OPS = ("_C::onednn_mm", "_C::weight_packed_linear")
+OTHER_ATTENTION_OPS = ("scaled_dot_product", "_C::cpu_attention_with_kv_cache", "_C::cpu_attn_reshape_and_cache",
+                       "vllm::unified_attention", "vllm::unified_kv_cache_update")
 COMPILED_GRAPH = "CompiledFxGraph"
 
 
 def category(op_name: str) -> str:
-    if any(key in op_name for key in ATTENTION_OPS):
+    if op_name.startswith(KVSERVE_ATTENTION_OP_PREFIXES) or any(key in op_name for key in OTHER_ATTENTION_OPS):
         return "attention"
-    if any(key in op_name for key in LINEAR_OPS):
+    if op_name in KVSERVE_LINEAR_OPS or any(key in op_name for key in VLLM_LINEAR_OPS):
         return "linear layers"
     if COMPILED_GRAPH in op_name:
         return "fused elementwise"
     return "everything else"
 
 
+def _op_category(op_name: str) -> str | None:
+    name = category(op_name)
+    return name if name in ("linear layers", "attention") else None
+
+
 def categorize(events: Any) -> dict[str, float]:
-    """Milliseconds by category from torch.profiler's FunctionEvents (each with .name, .cpu_parent,
-    .cpu_time_total, .self_cpu_time_total): a linear or attention op counts whole, what it calls
-    inside included (SDPA's gathers and views, oneDNN's reorders), unless an op of its own
-    category encloses it; a compiled graph's call counts its own time only (its fused kernels,
-    not the linear and attention ops it calls)."""
-    by_category: dict[str, float] = defaultdict(float)
-    for event in events:
-        name = category(event.name)
-        if name == "fused elementwise":
-            by_category[name] += event.self_cpu_time_total / 1e3
-        elif name != "everything else":
-            parent = event.cpu_parent
-            while parent is not None and category(parent.name) != name:
-                parent = parent.cpu_parent
-            if parent is None:
-                by_category[name] += event.cpu_time_total / 1e3
+    """Milliseconds by category from torch.profiler's FunctionEvents: a linear or attention op
+    counts whole, what it calls inside included (SDPA's gathers and views, oneDNN's reorders),
+    unless another such op encloses it (profile_ops.py); a compiled graph's call counts its own
+    time only (its fused kernels, not the linear and attention ops it calls)."""
+    by_category = {name: seconds * 1e3 for name, seconds in outermost_op_seconds(events, _op_category).items()}
+    by_category["fused elementwise"] = sum(event.self_cpu_time_total / 1e3 for event in events
+                                          if category(event.name) == "fused elementwise")
     return by_category
 
 

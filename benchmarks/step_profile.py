@@ -41,6 +41,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_ops import kvserve_op_category, outermost_op_seconds  # noqa: E402
+
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 
 CATEGORIES = ("linear layers", "attention", "other model ops", "input prep", "sampler", "scheduler+alloc",
@@ -70,36 +72,9 @@ class Timers:
         module.register_forward_hook(post)
 
 
-# Op names (as the profiler records them) of each category; an op nested in another op of a
-# category (aten::mm inside aten::linear, a matmul inside paged attention) counts once, for the outer.
-ATTENTION_OP_PREFIXES = ("kvserve::", "kvserve_cpu::")
-LINEAR_OPS = frozenset({"kvserve_linear::packed_linear", "mkldnn::_linear_pointwise", "aten::linear", "aten::mm",
-                        "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
-                        "aten::_weight_int4pack_mm_for_cpu", "kvserve_bf16::bf16_linear",
-                        "kvserve_quant::int4_gemm", "kvserve_quant::int8_gemm"})
-
-
-def op_category(name: str) -> str | None:
-    if name.startswith(ATTENTION_OP_PREFIXES):
-        return "attention"
-    return "linear" if name in LINEAR_OPS else None
-
-
 def profiled_op_seconds(events: Any) -> dict[str, float]:
-    """Seconds per category from torch.profiler FunctionEvents, counting only the outermost event
-    of any category on each call stack."""
-    seconds: dict[str, float] = defaultdict(float)
-    for event in events:
-        category = op_category(event.name)
-        if category is None:
-            continue
-        parent, nested = event.cpu_parent, False
-        while parent is not None and not nested:
-            nested = op_category(parent.name) is not None
-            parent = parent.cpu_parent
-        if not nested:
-            seconds[category] += event.time_range.elapsed_us() / 1e6
-    return seconds
+    """Seconds of kvserve's linear and attention ops (outermost on each call stack)."""
+    return outermost_op_seconds(events, kvserve_op_category)
 
 
 class _TimedSampler:

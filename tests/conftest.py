@@ -5,10 +5,10 @@ import sys
 from pathlib import Path
 
 # `python -m pytest` puts the working directory, the checkout's root, first on sys.path (pytest
-# itself only appends it: `--import-mode=append` in pyproject.toml). First, its kernels/ folder,
-# the source of kvserve.kernels, would shadow the `kernels` distribution that transformers
-# (>= 5.25) requires and imports on start. Searched last, the root keeps `tests` importable and
-# lets installed distributions win.
+# itself only appends it: `--import-mode=append` in pyproject.toml). Searched first, the root's
+# kernels/ folder (the source of kvserve.kernels) would shadow the `kernels` distribution that
+# transformers (>= 5.25) requires and imports on start. Searched last, the root keeps `tests`
+# importable and lets installed distributions win.
 _CHECKOUT = Path(__file__).resolve().parent.parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _CHECKOUT]
 sys.path.append(str(_CHECKOUT))

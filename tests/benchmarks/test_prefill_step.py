@@ -44,9 +44,17 @@ def test_a_burst_larger_than_one_step_is_refused_before_any_engine_loads(monkeyp
         main()
 
 
+class _Span:
+    def __init__(self, us: float) -> None:
+        self.us = us
+
+    def elapsed_us(self) -> float:
+        return self.us
+
+
 class _Event:  # the fields of a torch.profiler FunctionEvent that categorize() reads
     def __init__(self, name: str, total_us: float, self_us: float, parent: "_Event | None" = None) -> None:
-        self.name, self.cpu_time_total, self.self_cpu_time_total, self.cpu_parent = name, total_us, self_us, parent
+        self.name, self.time_range, self.self_cpu_time_total, self.cpu_parent = name, _Span(total_us), self_us, parent
 
 
 def test_ops_count_whole_once_and_a_graph_only_its_own_time() -> None:
