@@ -185,3 +185,53 @@ def test_bf16_decodes_of_every_group_match_the_torch_path_and_read_nothing_past_
         torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
     capped = cpu_paged_attention(*args, batch.scale, 1.0, soft_cap=2.0).float()
     torch.testing.assert_close(capped, dense_attention(batch, soft_cap=2.0), **TOLERANCES[torch.bfloat16])
+
+
+def _poison_past_contexts(batch) -> None:
+    """Every cache row past a context (the rest of its last block, the spare blocks): K huge, V
+    NaN, so reading one shows (a NaN score gets the weight 0 in the kernels' softmax; a huge one
+    takes all the weight)."""
+    block_size = batch.key_cache.shape[2]
+    used = torch.zeros(batch.key_cache.shape[0], block_size, dtype=torch.bool)
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        used[batch.block_tables[i, positions // block_size].long(), positions % block_size] = True
+    batch.key_cache.masked_fill_(~used[:, None, :, None], 1e4)
+    batch.value_cache.masked_fill_(~used[:, None, :, None], float("nan"))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_prompt_chunks_match_the_torch_path_and_read_nothing_past_the_context(head_dim: int, block_size: int) -> None:
+    # bf16 chunks of >= 8 tokens take the AMX prompt route where the CPU has it (a tile: 16 tokens
+    # of one head; work items of 64 tokens; softmax segments of 512 keys): fresh prompts of 16, 17
+    # (a last tile of one row), 65 (one token past an item) and 600 (past a segment); chunks after
+    # earlier context ending mid-block (64 after 36, 530 after 570: rows on both sides of a
+    # segment edge; 8 after 22, the shortest), a decode beside them; a query that is a strided view.
+    seq_lens, query_lens = [16, 17, 65, 600, 100, 1100, 40, 30, 9], [16, 17, 65, 600, 64, 530, 20, 8, 1]
+    for num_kv_heads, group in [(2, 1), (3, 3), (1, 8)]:
+        batch = make_batch(seq_lens, query_lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=torch.bfloat16,
+                           block_size=block_size, seed=head_dim + block_size + group)
+        _poison_past_contexts(batch)
+        fused = torch.cat([batch.query, torch.randn_like(batch.query)], dim=1)  # [T, 2 * heads, D]: a qkv split's view
+        query = fused[:, : batch.query.shape[1]]
+        args = (query, *batch.attention_args()[1:-1])
+        for k_scale, v_scale in ((1.0, 1.0), (0.5, 2.0)):
+            out = cpu_paged_attention(*args, batch.scale * k_scale, v_scale).float()
+            assert not out.isnan().any()
+            expected = dense_attention(replace(batch, scale=batch.scale * k_scale)) * v_scale
+            torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+        capped = cpu_paged_attention(*args, batch.scale, 1.0, soft_cap=2.0).float()
+        torch.testing.assert_close(capped, dense_attention(batch, soft_cap=2.0), **TOLERANCES[torch.bfloat16])
+        # A window no shorter than a sequence hides none of its keys (those take the prompt route
+        # still); the longer ones are masked by the window route.
+        windowed = cpu_paged_attention(*args, batch.scale, 1.0, sliding_window=600).float()
+        torch.testing.assert_close(windowed, dense_attention(batch, sliding_window=600), **TOLERANCES[torch.bfloat16])
+
+
+def test_a_bf16_prompt_chunk_with_a_block_past_the_cache_is_refused() -> None:
+    batch = make_batch([70], [70], group=2, dtype=torch.bfloat16)
+    tables = batch.block_tables.clone()
+    tables[0, 4] = batch.key_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 4\] = \d+ is outside"):
+        cpu_paged_attention(batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens, batch.query_start_loc, batch.scale, 1.0)
