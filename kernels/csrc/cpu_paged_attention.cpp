@@ -318,26 +318,29 @@ struct Scratch {
 // Lane j of the result = the sum of parts[j]'s 16 lanes: 16 dot products finished in 15
 // shuffle-and-add steps (a transpose folded into the adds), instead of 16 horizontal sums of
 // ~8 dependent steps each. The order of the additions is fixed, so results are deterministic.
-inline Vec reduce16(const Vec* parts) {
+// reduce16_by combines with another operation (the prompt route's row maxima: vmax).
+template <typename Combine>
+inline Vec reduce16_by(const Vec* parts, Combine combine) {
   Vec t[8], u[4], v[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: key 2i's 8 partial sums, lanes 8-15: key 2i+1's
     const Vec a = parts[2 * i], b = parts[2 * i + 1];
-    t[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    t[i] = combine(__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
   }
   for (int i = 0; i < 4; ++i) {  // 4 partial sums for each of keys 4i .. 4i+3
     const Vec a = t[2 * i], b = t[2 * i + 1];
-    u[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    u[i] = combine(__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
   }
   for (int i = 0; i < 2; ++i) {  // 2 partial sums for each of keys 8i .. 8i+7
     const Vec a = u[2 * i], b = u[2 * i + 1];
-    v[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    v[i] = combine(__builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+                   __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
   }
-  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return combine(__builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                 __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
+inline Vec reduce16(const Vec* parts) { return reduce16_by(parts, [](Vec a, Vec b) { return a + b; }); }
 
 // The online-softmax step of kRB rows for one chunk of n <= 16 keys, their scores in lanes:
 // rescales the rows' running outputs and sums when their maximum grows, and writes the chunk's
@@ -817,9 +820,12 @@ void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride,
   const int64_t D = p.head_dim, NV = D / kLanes, steps = D / 32;
   const int64_t keys_seen = first_position + rows;  // the last row sees keys [0, keys_seen)
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  float row_max[kAmxMaxRows], row_sum[kAmxMaxRows], correction[kAmxMaxRows];
-  std::fill(row_max, row_max + kAmxMaxRows, minus_inf);
-  std::fill(row_sum, row_sum + kAmxMaxRows, 0.0f);
+  // The rows' running state, lane r for row r (in base 2: scores times log2 e).
+  Vec row_max = Vec{} + minus_inf, row_sum{};
+  alignas(64) float correction[kAmxMaxRows], shift[kAmxMaxRows];
+  Vec seen_max[kAmxMaxRows], seen_sum[kAmxMaxRows];  // per row, lane-wise: the segment's maxima, weight sums
+  int64_t vectors_of[kAmxMaxRows];
+  __mmask16 last_of[kAmxMaxRows];
   std::fill(a.prompt_acc.begin(), a.prompt_acc.begin() + rows * NV, Vec{});
   float* scores = reinterpret_cast<float*>(a.prompt_scores.data());
   c10::BFloat16* weights = reinterpret_cast<c10::BFloat16*>(a.prompt_weights.data());
@@ -850,46 +856,60 @@ void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride,
       _tile_stored(3, scores + g * kKeyGroup + 3 * kChunk, kScoresStride * 4);
     }
     const int64_t pair_blocks = (segment_keys + 2 * kChunk - 1) / (2 * kChunk);  // P x V reads 32 keys at a time
-    for (int64_t r = 0; r < kAmxMaxRows; ++r) {  // the softmax step, row by row, in base 2
+    // The softmax step in base 2, in two passes over the rows; their maxima and sums are finished
+    // for all 16 rows at once (reduce16_by) rather than one horizontal reduction per row.
+    // The rows' largest scores: their raw dot products (the scale is > 0, so it keeps their
+    // order), or, soft-capped, the capped scores (written back, in base 2, for the second pass).
+    const float to_log2 = p.soft_cap > 0.0f ? 1.0f : p.score_scale * kLog2e;  // multiplies what the second pass reads
+    for (int64_t r = 0; r < kAmxMaxRows; ++r) {
       float* row_scores = scores + r * kScoresStride;
       c10::BFloat16* row_weights = weights + r * kWeightsStride;
       const int64_t visible = r < rows ? std::min(segment_keys, first_position + r + 1 - s0) : 0;
-      correction[r] = 1.0f;
       const int64_t vectors = visible > 0 ? (visible + kLanes - 1) / kLanes : 0;
-      std::memset(row_weights + vectors * kLanes, 0, (pair_blocks * 2 * kChunk - vectors * kLanes) * sizeof(c10::BFloat16));
-      if (vectors == 0) continue;  // the row sees none of these keys (or is padding)
-      const __mmask16 last = static_cast<__mmask16>((1u << (visible - (vectors - 1) * kLanes)) - 1);  // the last vector's seen keys
-      // The row's largest score: its raw dot products (the scale is > 0, so it keeps their order),
-      // or, soft-capped, the capped scores (written back, in base 2, for the second pass).
-      __m512 raw_max = _mm512_set1_ps(minus_inf);
-      float to_log2 = p.score_scale * kLog2e;  // multiplies what the second pass reads
-      if (p.soft_cap > 0.0f) {
-        for (int64_t c = 0; c < vectors; ++c) {
-          const Vec capped = soft_cap16(load16(row_scores + c * kLanes) * p.score_scale, p.soft_cap) * kLog2e;
-          store16(row_scores + c * kLanes, capped);
-          raw_max = _mm512_mask_max_ps(raw_max, c == vectors - 1 ? last : __mmask16(0xffff), raw_max, (__m512)capped);
-        }
-        to_log2 = 1.0f;
-      } else {
-        for (int64_t c = 0; c + 1 < vectors; ++c) raw_max = _mm512_max_ps(raw_max, _mm512_loadu_ps(row_scores + c * kLanes));
-        raw_max = _mm512_mask_max_ps(raw_max, last, raw_max, _mm512_loadu_ps(row_scores + (vectors - 1) * kLanes));
+      vectors_of[r] = vectors;
+      for (int64_t c = vectors; c < pair_blocks * 2; ++c) {  // keys past the row's (P x V reads them): weight 0
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_weights + c * kLanes), _mm256_setzero_si256());
       }
-      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(raw_max) * to_log2);
-      const __m512 scale = _mm512_set1_ps(to_log2), shift = _mm512_set1_ps(-new_max);
+      __m512 raw_max = _mm512_set1_ps(minus_inf);  // stays so where the row sees none of these keys (or is padding)
+      if (vectors > 0) {
+        const __mmask16 last = static_cast<__mmask16>((1u << (visible - (vectors - 1) * kLanes)) - 1);  // the last vector's seen keys
+        last_of[r] = last;
+        if (p.soft_cap > 0.0f) {
+          for (int64_t c = 0; c < vectors; ++c) {
+            const Vec capped = soft_cap16(load16(row_scores + c * kLanes) * p.score_scale, p.soft_cap) * kLog2e;
+            store16(row_scores + c * kLanes, capped);
+            raw_max = _mm512_mask_max_ps(raw_max, c == vectors - 1 ? last : __mmask16(0xffff), raw_max, (__m512)capped);
+          }
+        } else {
+          for (int64_t c = 0; c + 1 < vectors; ++c) raw_max = _mm512_max_ps(raw_max, _mm512_loadu_ps(row_scores + c * kLanes));
+          raw_max = _mm512_mask_max_ps(raw_max, last, raw_max, _mm512_loadu_ps(row_scores + (vectors - 1) * kLanes));
+        }
+      }
+      seen_max[r] = (Vec)raw_max;
+    }
+    const Vec new_max = vmax(row_max, reduce16_by(seen_max, vmax) * to_log2);  // -inf * to_log2 stays -inf
+    // A row whose maximum grows rescales what it has: by 2^(old - new), 0 on its first keys
+    // (old = -inf); rows whose maximum stays (those that see none of these keys included) by 1.
+    const Vec grown_factor = (Vec)exp2_nonpositive((__m512)(row_max - new_max));
+    const Vec factor = new_max > row_max ? (row_max == Vec{} + minus_inf ? Vec{} : grown_factor) : Vec{} + 1.0f;
+    store16(correction, factor);
+    store16(shift, Vec{} - new_max);
+    row_max = new_max;
+    for (int64_t r = 0; r < kAmxMaxRows; ++r) {  // the weights and their sums
+      const float* row_scores = scores + r * kScoresStride;
+      c10::BFloat16* row_weights = weights + r * kWeightsStride;
+      const int64_t vectors = vectors_of[r];
+      const __m512 scale = _mm512_set1_ps(to_log2), row_shift = _mm512_set1_ps(shift[r]);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t c = 0; c < vectors; ++c) {
-        __m512 weight = exp2_nonpositive(_mm512_fmadd_ps(_mm512_loadu_ps(row_scores + c * kLanes), scale, shift));
-        if (c == vectors - 1) weight = _mm512_maskz_mov_ps(last, weight);  // keys past the row's position: 0
+        __m512 weight = exp2_nonpositive(_mm512_fmadd_ps(_mm512_loadu_ps(row_scores + c * kLanes), scale, row_shift));
+        if (c == vectors - 1) weight = _mm512_maskz_mov_ps(last_of[r], weight);  // keys past the row's position: 0
         sum = _mm512_add_ps(sum, weight);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_weights + c * kLanes), (__m256i)_mm512_cvtneps_pbh(weight));
       }
-      if (new_max > row_max[r]) {
-        correction[r] = std::exp2(row_max[r] - new_max);  // 0 on the first keys (max was -inf)
-        row_sum[r] *= correction[r];
-        row_max[r] = new_max;
-      }
-      row_sum[r] += _mm512_reduce_add_ps(sum);
+      seen_sum[r] = (Vec)sum;
     }
+    row_sum = row_sum * factor + reduce16(seen_sum);
     for (int64_t d = 0; d < NV; d += 4) {  // O = P x V, 64 elements of D at a time
       _tile_zero(0);
       _tile_zero(1);
@@ -918,8 +938,10 @@ void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride,
       }
     }
   }
+  alignas(64) float sums[kAmxMaxRows];
+  store16(sums, row_sum);
   for (int64_t r = 0; r < rows; ++r) {
-    const Vec normalised_scale = Vec{} + p.out_scale / row_sum[r];
+    const Vec normalised_scale = Vec{} + p.out_scale / sums[r];
     for (int64_t i = 0; i < NV; ++i) {
       const __m256bh rounded = _mm512_cvtneps_pbh((__m512)(a.prompt_acc[r * NV + i] * normalised_scale));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + i * kLanes), (__m256i)rounded);
