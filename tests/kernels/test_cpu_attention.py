@@ -158,35 +158,6 @@ def test_bf16_long_contexts_and_chunks_across_softmax_segments_match_the_torch_p
                                    **TOLERANCES[torch.bfloat16])
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_bf16_decodes_of_every_group_match_the_torch_path_and_read_nothing_past_the_context(
-        head_dim: int, group: int, block_size: int) -> None:
-    # bf16 decodes (AMX tiles where the CPU has them, else the vector loop) at contexts of one key,
-    # a partial chunk, whole blocks, one past a block, past a softmax segment; every cache row past
-    # a context (the rest of its last block, the spare blocks) is poisoned, so reading one would
-    # show: V rows NaN, K rows huge (the kernels' softmax gives a NaN score the weight 0; a huge one
-    # takes all the weight).
-    seq_lens = [1, 7, 16, 17, 33, 300, 1000]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), num_kv_heads=2, group=group, head_dim=head_dim,
-                       dtype=torch.bfloat16, block_size=block_size, seed=group * head_dim + block_size)
-    used = torch.zeros(batch.key_cache.shape[0], block_size, dtype=torch.bool)
-    for i, seq_len in enumerate(seq_lens):
-        positions = torch.arange(seq_len)
-        used[batch.block_tables[i, positions // block_size].long(), positions % block_size] = True
-    batch.key_cache.masked_fill_(~used[:, None, :, None], 1e4)
-    batch.value_cache.masked_fill_(~used[:, None, :, None], float("nan"))
-    args = batch.attention_args()[:-1]
-    for k_scale, v_scale in ((1.0, 1.0), (0.5, 2.0)):
-        out = cpu_paged_attention(*args, batch.scale * k_scale, v_scale).float()
-        assert not out.isnan().any()
-        expected = dense_attention(replace(batch, scale=batch.scale * k_scale)) * v_scale
-        torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
-    capped = cpu_paged_attention(*args, batch.scale, 1.0, soft_cap=2.0).float()
-    torch.testing.assert_close(capped, dense_attention(batch, soft_cap=2.0), **TOLERANCES[torch.bfloat16])
-
-
 def _poison_past_contexts(batch) -> None:
     """Every cache row past a context (the rest of its last block, the spare blocks): K huge, V
     NaN, so reading one shows (a NaN score gets the weight 0 in the kernels' softmax; a huge one
@@ -198,6 +169,33 @@ def _poison_past_contexts(batch) -> None:
         used[batch.block_tables[i, positions // block_size].long(), positions % block_size] = True
     batch.key_cache.masked_fill_(~used[:, None, :, None], 1e4)
     batch.value_cache.masked_fill_(~used[:, None, :, None], float("nan"))
+
+
+def _assert_matches_dense_attention(args: tuple, batch) -> None:
+    """The kernel on `args` (a batch's attention args without its scale) against fp32 dense
+    attention, with and without k/v scales, and soft-capped: no NaN from a poisoned row."""
+    for k_scale, v_scale in ((1.0, 1.0), (0.5, 2.0)):
+        out = cpu_paged_attention(*args, batch.scale * k_scale, v_scale).float()
+        assert not out.isnan().any()
+        expected = dense_attention(replace(batch, scale=batch.scale * k_scale)) * v_scale
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+    capped = cpu_paged_attention(*args, batch.scale, 1.0, soft_cap=2.0).float()
+    torch.testing.assert_close(capped, dense_attention(batch, soft_cap=2.0), **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_decodes_of_every_group_match_the_torch_path_and_read_nothing_past_the_context(
+        head_dim: int, group: int, block_size: int) -> None:
+    # bf16 decodes (AMX tiles where the CPU has them, else the vector loop) at contexts of one key,
+    # a partial chunk, whole blocks, one past a block, past a softmax segment; every cache row past
+    # a context is poisoned (_poison_past_contexts).
+    seq_lens = [1, 7, 16, 17, 33, 300, 1000]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), num_kv_heads=2, group=group, head_dim=head_dim,
+                       dtype=torch.bfloat16, block_size=block_size, seed=group * head_dim + block_size)
+    _poison_past_contexts(batch)
+    _assert_matches_dense_attention(batch.attention_args()[:-1], batch)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -216,13 +214,7 @@ def test_bf16_prompt_chunks_match_the_torch_path_and_read_nothing_past_the_conte
         fused = torch.cat([batch.query, torch.randn_like(batch.query)], dim=1)  # [T, 2 * heads, D]: a qkv split's view
         query = fused[:, : batch.query.shape[1]]
         args = (query, *batch.attention_args()[1:-1])
-        for k_scale, v_scale in ((1.0, 1.0), (0.5, 2.0)):
-            out = cpu_paged_attention(*args, batch.scale * k_scale, v_scale).float()
-            assert not out.isnan().any()
-            expected = dense_attention(replace(batch, scale=batch.scale * k_scale)) * v_scale
-            torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
-        capped = cpu_paged_attention(*args, batch.scale, 1.0, soft_cap=2.0).float()
-        torch.testing.assert_close(capped, dense_attention(batch, soft_cap=2.0), **TOLERANCES[torch.bfloat16])
+        _assert_matches_dense_attention(args, batch)
         # A window no shorter than a sequence hides none of its keys (those take the prompt route
         # still); the longer ones are masked by the window route.
         windowed = cpu_paged_attention(*args, batch.scale, 1.0, sliding_window=600).float()
