@@ -4,9 +4,12 @@
 
 A request drafts when its next step is a decode and drafting cannot change what it samples:
 not under presence/frequency/repetition penalties (their counts would have to follow every
-draft position) and not while min_tokens still holds its stop tokens back. Constrained requests
-keep only the drafts their grammar allows (`validate`). A step with more running requests than
-disable_by_batch_size drafts nothing.
+draft position). min_tokens does not stop drafts: the sampler bans a row's stop tokens by that
+row's own output count (its draft offset), so a stop token drafted before min_tokens is never
+sampled there and the draft is rejected, as decoding without it would have it. (Benchmark clients
+send min_tokens = max_tokens with ignore_eos, vLLM's and kvserve-bench alike: drafts held back
+under min_tokens were no drafts at all for them.) Constrained requests keep only the drafts their
+grammar allows (`validate`). A step with more running requests than disable_by_batch_size drafts nothing.
 """
 
 from __future__ import annotations
@@ -50,5 +53,4 @@ class NgramDrafter:
 
 def _may_draft(request: Request) -> bool:
     params = request.sampling_params
-    return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and request.num_output_tokens >= params.min_tokens)
+    return params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1

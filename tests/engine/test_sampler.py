@@ -169,6 +169,16 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached() -> None:
     assert kept(apply_logits_processors(logits, batch_of([request(ignoring)], vocab=5))) == [{0, 1, 2, 4}]
 
 
+def test_min_tokens_bans_each_draft_row_by_its_own_output_count() -> None:
+    # A request with one output verifying 3 drafts samples 4 rows, standing 0-3 tokens past its
+    # outputs: with min_tokens 3 the first two rows (outputs 1 and 2) hold the stop tokens back,
+    # the last two (3 and 4) do not. Speculative decoding drafts under min_tokens on this.
+    params = SamplingParams(min_tokens=3, stop_token_ids=(3,))
+    state = request(params, output=[1])
+    rows = SamplingBatch.from_requests([state] * 4, 5, (EOS,), CPU, draft_offsets=[0, 1, 2, 3])
+    assert kept(apply_logits_processors(torch.zeros(4, 5), rows)) == [{1, 2, 4}, {1, 2, 4}, set(range(5)), set(range(5))]
+
+
 def test_greedy_is_the_argmax_of_the_processed_logits() -> None:
     logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)

@@ -42,7 +42,7 @@ def test_a_growing_request_is_indexed_incrementally_with_the_same_answers():
         assert incremental.propose(tokens[:end], 3) == NgramIndex(1, 4).propose(tokens[:end], 3)
 
 
-def test_the_drafter_skips_penalised_and_min_tokens_requests_and_large_batches():
+def test_the_drafter_skips_penalised_requests_and_large_batches_but_not_min_tokens_ones():
     config = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2,
                                disable_by_batch_size=2)
     drafter = NgramDrafter(config)
@@ -53,13 +53,14 @@ def test_the_drafter_skips_penalised_and_min_tokens_requests_and_large_batches()
 
     plain, penalised, holding = request("a"), request("b", presence_penalty=0.5), request("c", min_tokens=3)
     drafter.propose([plain, penalised, holding], num_running=2)
-    assert plain.spec_token_ids == [3, 1] and penalised.spec_token_ids == [] and holding.spec_token_ids == []
+    # min_tokens bans are applied per draft row by the sampler (test_drafts_under_min_tokens_...).
+    assert plain.spec_token_ids == [3, 1] and penalised.spec_token_ids == [] and holding.spec_token_ids == [3, 1]
     drafter.propose([plain], num_running=3)  # more running than disable_by_batch_size
     assert plain.spec_token_ids == []
     drafter.propose([plain], num_running=1, validate=lambda request_id, drafts: drafts[:1])
     assert plain.spec_token_ids == [3]
-    assert len(drafter) == 1
-    drafter.forget(["a"])
+    assert len(drafter) == 2  # a's and c's indexes
+    drafter.forget(["a", "c"])
     assert len(drafter) == 0
 
 
@@ -219,6 +220,41 @@ def test_the_engine_with_drafts_gives_what_it_gives_without(tmp_path):
         assert have.logprob == pytest.approx(want.logprob, abs=1e-4)  # one forward verifies several rows
     assert counts.drafts > 0 and 0 < counts.accepted <= counts.draft_tokens
     assert not spec.engine.drafter._indexes  # finished requests forgotten
+
+
+def test_drafts_under_min_tokens_give_what_decoding_without_them_gives(tmp_path):
+    # 98 is a stop token that the prompt makes the drafter propose (after w109) while min_tokens
+    # still bans it; those rows must reject it, and the request stops (98 or EOS) only after 10 outputs.
+    # The last request is what benchmark clients send (kvserve-bench, vLLM's): ignore_eos with
+    # min_tokens = max_tokens.
+    stopping = REPEATING[0] + " w109 w98 w109 w98"
+    prompts = [stopping, stopping, REPEATING[0] + " w109 w93 w109 w93"]  # the last: greedy 98 98 98 ...
+    params = [SamplingParams(temperature=0.0, max_tokens=24, min_tokens=10, stop_token_ids=[98]),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=24, min_tokens=10, stop_token_ids=[98]),
+              SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, ignore_eos=True)]
+    plain, _ = _tiny_llm(tmp_path)
+    spec, counts = _tiny_llm(tmp_path, SPEC)
+    drafter, banned_drafts = spec.engine.drafter, []
+    propose = drafter.propose
+
+    def recording(requests, num_running, validate=None):
+        requests = list(requests)
+        propose(requests, num_running, validate)
+        for r in requests:
+            held_back = r.sampling_params.min_tokens - r.num_output_tokens  # draft positions still under the ban
+            banned_drafts.extend(t for t in r.spec_token_ids[:held_back] if t in r.sampling_params.stop_token_ids)
+
+    drafter.propose = recording
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
+    assert 98 not in got[0].outputs[0].token_ids[:10]
+    assert got[0].outputs[0].finish_reason == "stop" and 10 < len(got[0].outputs[0].token_ids) < 24
+    assert banned_drafts  # the drafts did propose the stop token where it was banned
+    assert len(got[2].outputs[0].token_ids) == 20
+    assert counts.drafts > 0 and counts.accepted > 0
 
 
 def test_drafts_of_a_constrained_request_keep_to_its_grammar(tmp_path):
