@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_stages import speculative_json  # noqa: E402
 from throughput import run_kvserve_continuous, run_kvserve_static, run_transformers_static  # noqa: E402
 from workload import WorkItem, fixed_workload  # noqa: E402
 
@@ -43,14 +44,17 @@ def row(name: str, output_tokens: int, seconds: float, **extra: Any) -> dict[str
 
 
 def bench_kvserve(items: list[WorkItem], dtype: str, static_sizes: Sequence[int],
-                  model: str | None = None, device: str = "auto") -> list[dict[str, Any]]:
+                  model: str | None = None, device: str = "auto",
+                  speculative_config: str | None = None) -> list[dict[str, Any]]:
     # The KV cache is sized to the workload (every request resident at once), not to free memory,
     # so the run does not depend on what else the machine holds.
     blocks = sum(math.ceil((len(i.prompt_token_ids) + i.output_len) / 16) for i in items) + 64
     llm = LLM(**({"model": model} if model else {}), device=device, dtype=dtype, max_num_seqs=max(64, len(items)),
-              max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=1024, num_kv_blocks=blocks)
+              max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=1024, num_kv_blocks=blocks,
+              speculative_config=speculative_config)
     llm.generate([items[0].prompt_token_ids], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    rows = [row("kvserve continuous batching", *run_kvserve_continuous(llm, items), kind="kvserve-continuous")]
+    name = "kvserve continuous batching" + (f", speculative {speculative_config}" if speculative_config else "")
+    rows = [row(name, *run_kvserve_continuous(llm, items), kind="kvserve-continuous")]
     print(f"kvserve continuous: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
     for size in static_sizes:
         rows.append(row(f"kvserve static batches of {size}", *run_kvserve_static(llm, items, size),
@@ -141,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="kvserve only: auto, cpu, cuda (benchmarks/gpu_checks.sh)")
     parser.add_argument("--model", help="kvserve only: the model to load (default: the bundled GGUF), e.g. the "
                                         "bf16 Hugging Face folder vLLM loads (benchmarks/peers.py)")
+    parser.add_argument("--speculative-config", type=speculative_json,
+                        help="kvserve only: vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     args = parser.parse_args(argv)
 
     items = fixed_workload(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
@@ -149,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     print(f"{args.system}: {len(items)} requests, dtype {dtype}, {torch.get_num_threads()} threads", flush=True)
     if args.system == "kvserve":
-        rows = bench_kvserve(items, args.dtype, sizes, args.model, args.device)
+        rows = bench_kvserve(items, args.dtype, sizes, args.model, args.device, args.speculative_config)
     elif args.system == "transformers-static":
         rows = bench_transformers_static(items, dtype, sizes)
     else:

@@ -12,6 +12,7 @@ system once, in the same order (A B A B ...), so a machine whose speed drifts be
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,18 @@ class OfflineSystem:
     argv: tuple[str, ...]  # writes its JSON to the path given after --out
     env: Mapping[str, str]
     cwd: Path = REPO
+
+
+def speculative_json(text: str) -> str:
+    """--speculative-config: a JSON object, checked here so that a typo is a usage error, not a
+    failed run minutes later (the engine and vLLM validate its fields)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return json.dumps(value, sort_keys=True)
 
 
 def offline_systems(model_folder: Path, common: Sequence[str], kvserve_env: Mapping[str, str],

@@ -45,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_facts  # noqa: E402
 from peer_stages import (  # noqa: E402
-    Server, offline_runs, offline_systems, online_runs, single_stream_dataset, single_stream_runs,
+    Server, offline_runs, offline_systems, online_runs, single_stream_dataset, single_stream_runs, speculative_json,
 )
 from peers import (  # noqa: E402
     PeerSetupError, VllmInstall, ensure_hf_folder, ensure_llama_cpp, ensure_vllm, tcmalloc_library, vllm_version,
@@ -138,6 +138,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="vLLM's dtype (offline-peers, online); float32 matches kvserve's auto on a CPU "
                         "without bf16 arithmetic")
+    p.add_argument("--speculative-config", type=speculative_json,
+                   help="the same speculative decoding for kvserve and vLLM (offline-peers, online, single stream; "
+                        "not llama-server), vLLM's JSON, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
     p.add_argument("--kvserve-static-batch-sizes", default="32")
     # 32 only: it was the best of 8, 16 and 32 in every run so far (88 vs 66 and 51 tokens/s) and
     # the three took 8 of the full run's minutes.
@@ -249,6 +253,8 @@ def offline_peer_stages(args: argparse.Namespace, plan: Plan, out_dir: Path,
         return [skipped("offline vs peers: vLLM", why)], []
     common = ["--num-requests", str(plan.num_requests), "--prompt-len", "{},{}".format(*plan.prompt_len),
               "--output-len", "{},{}".format(*plan.output_len)]
+    if args.speculative_config:
+        common += ["--speculative-config", args.speculative_config]
     systems = offline_systems(peers.hf_folder, common, thread_env(args.threads), peers.vllm.python,
                               peers.vllm.environment(args.threads), peers.vllm.workdir, args.vllm_dtype)
     return offline_runs(systems, args.peer_repeats or plan.peer_repeats, out_dir, plan.offline_timeout_s)
@@ -304,7 +310,9 @@ def start_servers(stack: ExitStack, args: argparse.Namespace, plan: Plan, out_di
     most_streams = max(plan.online_streams)
     # kind, system, argv, env, extra body, working directory
     specs: list[tuple[str, str, list[str], dict[str, str] | None, str, Path | None]] = []
-    kv_options = KvserveServerOptions(dtype=args.dtype, max_num_seqs=max(64, most_streams))
+    spec = args.speculative_config
+    drafts = " + speculative decoding" if spec else ""  # in every label: the report compares like with like
+    kv_options = KvserveServerOptions(dtype=args.dtype, max_num_seqs=max(64, most_streams), speculative_config=spec)
     ports = {}
 
     def add(kind: str, system: str, make_argv: Any, server_env: dict[str, str] | None, extra: str = "",
@@ -312,10 +320,11 @@ def start_servers(stack: ExitStack, args: argparse.Namespace, plan: Plan, out_di
         ports[kind] = free_port()
         specs.append((kind, system, make_argv(ports[kind]), server_env, extra, cwd))
 
-    add("kvserve", "kvserve", lambda port: kvserve_serve_argv(port, kv_options), env)
+    add("kvserve", "kvserve" + drafts, lambda port: kvserve_serve_argv(port, kv_options), env)
     if "single-stream" in wanted:
-        int4 = KvserveServerOptions(dtype=args.dtype, quantization="int4", max_num_seqs=max(64, most_streams))
-        add("kvserve-int4", "kvserve --quantization int4", lambda port: kvserve_serve_argv(port, int4), env)
+        int4 = KvserveServerOptions(dtype=args.dtype, quantization="int4", max_num_seqs=max(64, most_streams),
+                                    speculative_config=spec)
+        add("kvserve-int4", "kvserve --quantization int4" + drafts, lambda port: kvserve_serve_argv(port, int4), env)
     stages: list[StageResult] = []
     if peers.llama_server is not None:
         try:
@@ -328,8 +337,8 @@ def start_servers(stack: ExitStack, args: argparse.Namespace, plan: Plan, out_di
             stages.append(skipped("start: llama.cpp llama-server", str(e)))
     if peers.vllm is not None and peers.hf_folder is not None:
         vllm = VllmServerOptions(python=peers.vllm.python, model=peers.hf_folder, max_num_seqs=max(64, most_streams),
-                                 dtype=args.vllm_dtype)
-        add("vllm", f"vLLM {peers.vllm_version or ''} server ({args.vllm_dtype})".replace("  ", " "),
+                                 dtype=args.vllm_dtype, speculative_config=spec)
+        add("vllm", f"vLLM {peers.vllm_version or ''} server ({args.vllm_dtype}){drafts}".replace("  ", " "),
             lambda port: vllm_server_argv(port, vllm), peers.vllm.environment(args.threads), cwd=peers.vllm.workdir)
     servers: dict[str, Server] = {}
     for kind, system, argv, server_env, extra, cwd in specs:

