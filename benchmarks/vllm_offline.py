@@ -41,14 +41,10 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as kvserve's offline run")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="float32 on a CPU without bf16 arithmetic, where kvserve's --dtype auto picks it")
-    parser.add_argument("--speculative-config", help="vLLM's JSON object, e.g. n-gram speculation (as offline.py's)")
+    parser.add_argument("--speculative-config", type=json.loads,
+                        help="vLLM's JSON object, e.g. n-gram speculation (as offline.py's)")
     args = parser.parse_args()
-    speculative = None
-    if args.speculative_config:
-        try:
-            speculative = json.loads(args.speculative_config)
-        except json.JSONDecodeError as error:
-            parser.error(f"--speculative-config is not JSON ({error})")
+    speculative = args.speculative_config
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -71,7 +67,7 @@ def main() -> int:
     print(f"vLLM {vllm.__version__} offline: {tokens / seconds:.1f} tokens/s", flush=True)
     name = f"vLLM {vllm.__version__} LLM.generate ({args.dtype})"
     if speculative:
-        name += f", speculative {args.speculative_config}"
+        name += f", speculative {json.dumps(speculative, sort_keys=True)}"
     row = {"name": name, "kind": "vllm", "output_tokens": tokens,
            "seconds": seconds, "tokens_per_s": tokens / seconds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
