@@ -1442,8 +1442,21 @@ void attend_item(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   attend_tile<q_t, kv_t, kVectors>(p, item, s, a);
 }
 
+// Items a thread takes at once: every KV head of a (sequence, tile) where each thread still gets
+// at least kMinClaimsPerWorker such groups, else one. A block's KV heads lie side by side (the
+// cache is [blocks, kv_heads, block_size, head_dim]), so one thread reading all of them reads each
+// block's K and V as whole runs, and the lines the hardware prefetcher fetches past one head's
+// rows are the next head's, used moments later by the same core. Measured (SmolLM2's layer, 64
+// decodes after 256 tokens, K/V cold in memory, Sapphire Rapids, both cores): 624 -> 541 us a
+// call; 5-13% at 8-64 decodes and 64-1024 tokens.
+constexpr int64_t kMinClaimsPerWorker = 4;
+
+int64_t items_per_claim(int64_t num_items, int64_t num_kv_heads, int64_t workers) {
+  return num_items >= kMinClaimsPerWorker * workers * num_kv_heads ? num_kv_heads : 1;
+}
+
 template <typename q_t, typename kv_t, int kVectors>
-void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t workers) {
+void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t workers, int64_t num_kv_heads) {
   const int64_t rows = p.tokens_per_tile * p.group;
   const int64_t num_items = static_cast<int64_t>(items.size());
   if (workers <= 1) {  // small work: waking the thread pool would cost more than it saves
@@ -1452,24 +1465,29 @@ void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t wor
     for (const WorkItem& item : items) attend_item<q_t, kv_t, kVectors>(p, item, scratch, amx);
     return;
   }
+  // plan_items lists each (sequence, tile)'s KV heads consecutively, so a claim of num_kv_heads
+  // items starting at a multiple of it is one (sequence, tile).
+  const int64_t claim = items_per_claim(num_items, num_kv_heads, workers);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(rows, p.head_dim / kLanes);
     AmxScratch amx(p.head_dim / kLanes);  // per thread: tile state belongs to the thread
     for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-        attend_item<q_t, kv_t, kVectors>(p, items[i], scratch, amx);
+      for (int64_t i = next.fetch_add(claim); i < num_items; i = next.fetch_add(claim)) {
+        for (int64_t j = i; j < std::min(i + claim, num_items); ++j) {
+          attend_item<q_t, kv_t, kVectors>(p, items[j], scratch, amx);
+        }
       }
     }
   });
 }
 
 template <typename q_t, typename kv_t>
-void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t workers) {
+void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t workers, int64_t num_kv_heads) {
   switch (p.head_dim) {  // fully unrolled inner loops for the common head dims
-    case 64: return run_items<q_t, kv_t, 4>(p, items, workers);
-    case 128: return run_items<q_t, kv_t, 8>(p, items, workers);
-    default: return run_items<q_t, kv_t, 0>(p, items, workers);
+    case 64: return run_items<q_t, kv_t, 4>(p, items, workers, num_kv_heads);
+    case 128: return run_items<q_t, kv_t, 8>(p, items, workers, num_kv_heads);
+    default: return run_items<q_t, kv_t, 0>(p, items, workers, num_kv_heads);
   }
 }
 
@@ -1690,19 +1708,19 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
   }
   switch (q_type) {
     case at::kFloat:
-      if (fp8) run_items<float, c10::Float8_e4m3fn>(p, items, workers);
-      else if (int8) run_items<float, int8_t>(p, items, workers);
-      else run_items<float, float>(p, items, workers);
+      if (fp8) run_items<float, c10::Float8_e4m3fn>(p, items, workers, num_kv_heads);
+      else if (int8) run_items<float, int8_t>(p, items, workers, num_kv_heads);
+      else run_items<float, float>(p, items, workers, num_kv_heads);
       break;
     case at::kHalf:
-      if (fp8) run_items<c10::Half, c10::Float8_e4m3fn>(p, items, workers);
-      else if (int8) run_items<c10::Half, int8_t>(p, items, workers);
-      else run_items<c10::Half, c10::Half>(p, items, workers);
+      if (fp8) run_items<c10::Half, c10::Float8_e4m3fn>(p, items, workers, num_kv_heads);
+      else if (int8) run_items<c10::Half, int8_t>(p, items, workers, num_kv_heads);
+      else run_items<c10::Half, c10::Half>(p, items, workers, num_kv_heads);
       break;
     case at::kBFloat16:
-      if (fp8) run_items<c10::BFloat16, c10::Float8_e4m3fn>(p, items, workers);
-      else if (int8) run_items<c10::BFloat16, int8_t>(p, items, workers);
-      else run_items<c10::BFloat16, c10::BFloat16>(p, items, workers);
+      if (fp8) run_items<c10::BFloat16, c10::Float8_e4m3fn>(p, items, workers, num_kv_heads);
+      else if (int8) run_items<c10::BFloat16, int8_t>(p, items, workers, num_kv_heads);
+      else run_items<c10::BFloat16, c10::BFloat16>(p, items, workers, num_kv_heads);
       break;
     default:  // refused above
       break;

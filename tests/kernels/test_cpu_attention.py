@@ -68,6 +68,23 @@ def test_both_threads_split_a_large_mixed_batch() -> None:
     torch.testing.assert_close(out, dense_attention(batch), **TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,num_seqs", [(3, 25), (3, 24), (2, 40), (4, 7)])
+def test_threads_taking_every_kv_head_of_a_sequence_at_once_match_the_torch_path(
+        dtype: torch.dtype, num_kv_heads: int, num_seqs: int) -> None:
+    # Enough (sequence, tile)s for each thread to take all KV heads of one at a time (25: an odd
+    # count, the last claim alone; 24: exactly at the threshold), and too few for it (4 x 7), with
+    # prompt chunks first: every head of every row must be computed once, by the right item.
+    batch, _ = _random_batch(13 + num_seqs, num_seqs=num_seqs, num_kv_heads=num_kv_heads, group=3, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = _kernel(batch)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out.float(), torch_paged_attention(*batch.attention_args()).float(), **TOLERANCES[dtype])
+
+
 def test_strided_query_and_int64_metadata() -> None:
     batch = make_batch([33, 9, 200], [5, 1, 1], group=3)
     fused = torch.cat([batch.query, torch.randn_like(batch.query)], dim=1)  # [T, 2 * heads, D]: a qkv split's view
