@@ -1,8 +1,10 @@
 """kvserve's few-row bf16 kernel against oneDNN's prepacked matmul, interleaved in one process.
 
     python benchmarks/bf16_gemm.py [--repeats 5] [--rounds 3] [--tokens 128] [--skip-decode]
+                                   [--rows 1,2,4,...,256] [--shapes qkv,o,...]
 
-1. Per SmolLM2-135M weight shape (model_shapes.ALL_SHAPES) at 1, 2, 4, ..., 256 rows:
+1. Per SmolLM2-135M weight shape (model_shapes.ALL_SHAPES) at 1, 2, 4, ..., 256 rows (--rows; prompt
+   chunks, e.g. --rows 128,256,384,528,768,1024,1560,2048, show where each kernel's blocking wins):
    microseconds per matmul and the weights' GB/s (bytes / time) of kvserve_bf16.bf16_linear and of
    mkldnn._linear_pointwise on prepacked weights (what kvserve's bf16 layers ran before), each
    timed over enough separate copies of the matrix (>= --stream-mb) that the weights stream from
@@ -65,12 +67,13 @@ def _best_alternating(passes: dict[str, Callable[[], None]], repeats: int) -> di
     return best
 
 
-def shape_timings(shape: WeightShape, repeats: int, stream_mb: float) -> dict[int, dict[str, float]]:
+def shape_timings(shape: WeightShape, repeats: int, stream_mb: float,
+                  row_counts: tuple[int, ...] = ROW_COUNTS) -> dict[int, dict[str, float]]:
     """rows -> kernel -> seconds per matmul, over copies of the matrix that stream from memory."""
     copies = max(2, int(stream_mb * 1e6 // (shape.out_features * shape.in_features * 2)))
     by_copy = [_matmuls(w) for w in _weights([shape] * copies, seed=shape.out_features)]
     timings = {}
-    for rows in ROW_COUNTS:
+    for rows in row_counts:
         x = torch.randn(rows, shape.in_features).to(torch.bfloat16)
 
         def run_all(kernel: str) -> None:
@@ -119,6 +122,16 @@ def decode_ms_per_token(llm, tokens: int, prompt_len: int = 32) -> float:
     return (seconds[tokens + 1] - seconds[1]) / tokens * 1e3
 
 
+def _row_counts(text: str) -> tuple[int, ...]:
+    try:
+        rows = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of row counts: {text!r}") from None
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"row counts must be positive: {text!r}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--shapes", default=",".join(s.name for s in ALL_SHAPES))
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--rows", type=_row_counts, default=ROW_COUNTS, help="comma-separated row counts")
     args = parser.parse_args(argv)
     if not bf16_gemm_available():
         parser.exit(1, "error: kvserve's bf16 kernel is unavailable here (see the log line above)\n")
@@ -135,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for shape in (s for s in ALL_SHAPES if s.name in args.shapes.split(",")):
             nbytes = shape.out_features * shape.in_features * 2
-            for rows, best in shape_timings(shape, args.repeats, args.stream_mb).items():
+            for rows, best in shape_timings(shape, args.repeats, args.stream_mb, args.rows).items():
                 cells = " | ".join(f"{best[k] * 1e6:.1f} ({nbytes / best[k] / 1e9:.1f})" for k in KERNELS)
                 print(f"| {shape.name} {shape.out_features}x{shape.in_features} | {rows} | {cells} | "
                       f"{best['oneDNN'] / best['kvserve']:.2f}x |", flush=True)

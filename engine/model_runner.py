@@ -21,7 +21,7 @@ from kvserve.engine.compilation import bind_compiled_graphs, compile_layers, mar
 from kvserve.engine.input_batch import CachedRequestState, InputBatch
 from kvserve.engine.kv_cache_tensors import KVCacheTensors
 from kvserve.engine.model.model_config import ModelConfig
-from kvserve.engine.model.packed_linear import FEW_ROWS_MAX
+from kvserve.engine.model.packed_linear import FEW_ROWS_MAX, NARROW_ROWS_MAX
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
@@ -179,15 +179,21 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, max_step_tokens: int | None = None) -> None:
         """Runs the forward on the kinds of step that get their own compiled graph: one token,
         several requests with a decode and a prompt chunk, and the same with more rows than the
         layers' few-row kernels take (bf16 and int8 layers branch on the row count: FEW_ROWS_MAX,
-        PACKED_MAX_ROWS), so that no step compiles while serving. Writes only into block 0, which
-        holds nothing yet. Compiled, the first warm-up then binds the layers straight to their
-        compiled graphs (compilation.bind_compiled_graphs)."""
+        PACKED_MAX_ROWS; narrow bf16 layers also at NARROW_ROWS_MAX, where a step of
+        `max_step_tokens`, the token budget, can pass it), so that no step compiles while serving.
+        Writes only into block 0, which holds nothing yet. Compiled, the first warm-up then binds
+        the layers straight to their compiled graphs (compilation.bind_compiled_graphs)."""
         wide_chunk = max(2, FEW_ROWS_MAX + 1 - 16, PACKED_MAX_ROWS + 1 - 16)
-        forwards = [functools.partial(self._warm_up_forward, lens) for lens in ([1], [1, 2], [1] * 16 + [wide_chunk])]
+        steps = [[1], [1, 2], [1] * 16 + [wide_chunk]]
+        if (max_step_tokens or 0) > NARROW_ROWS_MAX and any(
+                getattr(module, "few_rows_max", 0) > FEW_ROWS_MAX for module in self.model.modules()):
+            # Chunks of a widely supported length (a context of 64 tokens), together past the limit.
+            steps.append([1] * 16 + [64] * (NARROW_ROWS_MAX // 64) + [1])
+        forwards = [functools.partial(self._warm_up_forward, lens) for lens in steps]
         if self.compiled and not self.graphs_bound:
             self.graphs_bound = bind_compiled_graphs(self.model, forwards)
         else:

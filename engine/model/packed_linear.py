@@ -23,9 +23,11 @@ At few rows (a single stream, a handful of decodes) oneDNN's packed matmul reads
 a third of the memory bandwidth, and up to ~128 rows (decode steps) kvserve's own kernel's AMX
 blocking is faster too; there kvserve's bf16 kernel (kernels/cpu_bf16_gemm.py) runs from a
 second copy of the weights in its own layout, and oneDNN keeps the larger row counts (prompt
-chunks). The two round the same fp32 sums to bf16 but add them in another order: results agree
-to bf16's last bit, not bit for bit. The compiled graph branches on the row count, as the
-quantized layers' graphs do.
+chunks), but for narrow layers on CPUs with AMX (NARROW_OUT_FEATURES), where oneDNN blocks some
+prompt-chunk row counts badly and the kernel keeps them up to NARROW_ROWS_MAX rows. The two round
+the same fp32 sums to bf16 but may add them in another order: results agree to bf16's last bit,
+not always bit for bit. The compiled graph branches on the row count, as the quantized layers'
+graphs do.
 
 On a CPU without bf16 arithmetic (AVX-512 without BF16: Skylake-SP to Ice Lake, or a hypervisor
 hiding it) oneDNN emulates bf16, and kvserve's kernel (fp32 FMAs on widened pairs) was 1.7-4.5x
@@ -38,7 +40,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, native_bf16_arithmetic, pack_bf16
+from kvserve.kernels.cpu_bf16_gemm import (bf16_gemm_available, bf16_linear, bf16_matrix_tiles, native_bf16_arithmetic,
+                                           pack_bf16)
 
 PACKABLE_DTYPES = (torch.bfloat16,)
 # Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (quiet machine,
@@ -46,6 +49,15 @@ PACKABLE_DTYPES = (torch.bfloat16,)
 # interleaved: 1.4-1.8x at 1-16 rows, 1.2-1.3x at 64, 1.05-1.2x at 128 on the layers; past ~160
 # rows, prompt chunks, oneDNN's blocking wins). The lm_head is 0.95x at 64 and 0.87x at 128.
 FEW_ROWS_MAX = 128
+# Layers of at most this many output channels keep kvserve's kernel up to NARROW_ROWS_MAX rows on
+# CPUs with AMX tiles: there oneDNN's packed matmul blocks many row counts badly. SmolLM2's layers,
+# weights streaming, both cores of a Sapphire Rapids (benchmarks/bf16_gemm.py --rows 160,...,1280),
+# oneDNN's time over the kernel's: down (576 outputs) 1.1-1.9x at 160-1280 rows, o (576) 1.1-1.65x
+# at 160-768 but 0.8x at 896-1024, qkv (960) 0.8-1.0x at 256-640 but 1.4-1.5x at 768-1024; the three
+# together 1.1-1.6x at 256-1024 rows. Wider layers stay with oneDNN (gate_up, 3072 outputs:
+# 0.72-0.8x at 256+ rows). Prompt chunks of 129-1024 tokens are what this speeds up.
+NARROW_OUT_FEATURES = 1024
+NARROW_ROWS_MAX = 1024
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,
 # on import. Library.define/impl rather than @custom_op, whose per-call checks cost ~20 us: a
@@ -112,6 +124,9 @@ class PackedLinear(nn.Module):
         # fewer (every row count without oneDNN's); None where that kernel is unavailable or the
         # weights are not bf16.
         self.few_rows_weight = few_rows_weight
+        # Rows up to which the kernel's copy serves where both copies exist (the kernel's larger
+        # tile blocks are AMX's; elsewhere it stops at FEW_ROWS_MAX).
+        self.few_rows_max = few_rows_limit(in_features, out_features, bf16_matrix_tiles())
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -131,13 +146,20 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.few_rows_weight is not None and (self.packed_weight is None
-                                                 or x.numel() <= FEW_ROWS_MAX * self.in_features):
+                                                 or x.numel() <= self.few_rows_max * self.in_features):
             return bf16_linear(x, self.few_rows_weight, self.bias, self.out_features)
         return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"few_rows_kernel={self.few_rows_weight is not None}, onednn={self.packed_weight is not None}")
+
+
+def few_rows_limit(in_features: int, out_features: int, matrix_tiles: bool) -> int:
+    """The most rows a layer gives kvserve's bf16 kernel when oneDNN's packed matmul is there too
+    (`matrix_tiles`: the CPU has AMX; the kernel's tile route needs inputs in multiples of 32)."""
+    narrow = matrix_tiles and out_features <= NARROW_OUT_FEATURES and in_features % 32 == 0
+    return NARROW_ROWS_MAX if narrow else FEW_ROWS_MAX
 
 
 def pack_linear_weights(model: nn.Module, few_rows_kernel: bool | None = None, float32: bool = False) -> int:

@@ -12,6 +12,7 @@ is rank 0 there and ranks 1..N-1 in their own processes (MultiprocExecutor), all
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -118,5 +119,5 @@ def _build_runner(spec: WorkerSpec, device: torch.device, parallel: TensorParall
     runner = ModelRunner(model, model_config, kv_cache_config, kv_dtype, attention_backend(config, device), device,
                          spec.eos_token_ids, compiled=compiled)
     if compiled:
-        compile_at_start_up(runner.warm_up)
+        compile_at_start_up(functools.partial(runner.warm_up, config.max_num_batched_tokens))
     return runner

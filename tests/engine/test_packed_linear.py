@@ -16,9 +16,10 @@ from torch import nn
 
 from kvserve.engine.model import packed_linear as packed_linear_module
 from kvserve.engine.model.llama import LlamaForCausalLM
-from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, PackedLinear, few_rows_weight_bytes,
-                                                pack_linear_weights, packable_weight_bytes, weight_packing_supported)
-from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available
+from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, NARROW_OUT_FEATURES, NARROW_ROWS_MAX, PackedLinear,
+                                                few_rows_limit, few_rows_weight_bytes, pack_linear_weights,
+                                                packable_weight_bytes, packed_linear, weight_packing_supported)
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, bf16_matrix_tiles
 from kvserve.engine.kv_memory import CPU_RUNTIME_OVERHEAD_BYTES
 from kvserve.engine.worker.model_preparation import prepack
 from tests.engine.test_kv_memory import host
@@ -74,8 +75,38 @@ def test_the_few_row_kernel_agrees_with_onednn_to_bf16s_last_bit(rows, native_bf
     # Without bf16 arithmetic the kernel's copy is the only one, for every row count.
     assert (layer.packed_weight is not None) is native_bf16
     torch.testing.assert_close(out, expected, rtol=2**-7, atol=2**-7)
-    if x.numel() > FEW_ROWS_MAX * 64 and native_bf16:
+    if x.numel() > layer.few_rows_max * 64 and native_bf16:
         assert torch.equal(out, expected)  # oneDNN's path itself
+
+
+def test_narrow_layers_keep_the_kernel_up_to_more_rows_where_the_cpu_has_tiles() -> None:
+    assert few_rows_limit(576, 576, matrix_tiles=True) == NARROW_ROWS_MAX
+    assert few_rows_limit(1536, NARROW_OUT_FEATURES, matrix_tiles=True) == NARROW_ROWS_MAX
+    assert few_rows_limit(576, NARROW_OUT_FEATURES + 1, matrix_tiles=True) == FEW_ROWS_MAX  # gate_up: oneDNN's
+    assert few_rows_limit(576, 576, matrix_tiles=False) == FEW_ROWS_MAX  # the vector route stops early
+    assert few_rows_limit(80, 576, matrix_tiles=True) == FEW_ROWS_MAX  # inputs the tile route cannot take
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features", [96, NARROW_OUT_FEATURES + 16])
+def test_a_prompt_chunk_takes_the_kernel_only_through_a_narrow_layer_on_a_cpu_with_tiles(
+        out_features: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, out_features, bias=True)
+    calls: list[str] = []
+    for name, op in (("bf16_linear", bf16_linear), ("packed_linear", packed_linear)):
+        monkeypatch.setattr(packed_linear_module, name, lambda *args, _name=name, _op=op: calls.append(_name) or _op(*args))
+    with torch.inference_mode():
+        linear.weight.normal_(std=0.05)
+        layer = PackedLinear.from_linear(linear.to(torch.bfloat16), few_rows_kernel=True)
+        if layer.packed_weight is None:
+            pytest.skip("oneDNN emulates bf16 here: the kernel serves every row count")
+        for rows in (FEW_ROWS_MAX, 300, NARROW_ROWS_MAX, NARROW_ROWS_MAX + 1):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), rtol=2**-7, atol=2**-7)
+    narrow = bf16_matrix_tiles() and out_features <= NARROW_OUT_FEATURES
+    prompt_chunks = "bf16_linear" if narrow else "packed_linear"
+    assert calls == ["bf16_linear", prompt_chunks, prompt_chunks, "packed_linear"]
 
 
 def test_packed_linear_compiles_as_one_op_for_any_row_count() -> None:
@@ -198,3 +229,20 @@ def test_a_compiled_packed_model_samples_what_the_compiled_dense_one_samples_wit
     for (k_dense, v_dense), (k_packed, v_packed) in zip(dense.kv_caches, packed.kv_caches):
         torch.testing.assert_close(k_packed, k_dense, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(v_packed, v_dense, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_the_warm_up_compiles_the_graph_of_steps_past_the_narrow_layers_limit_when_the_budget_allows() -> None:
+    # On a CPU with tiles the narrow layers branch at NARROW_ROWS_MAX rows too: a token budget past
+    # it gets that graph at start, not from the first long prompt step while serving.
+    if not bf16_matrix_tiles():
+        pytest.skip("no AMX here: every layer branches at FEW_ROWS_MAX alone")
+    past_limit = [1] * 8 + [100] * (NARROW_ROWS_MAX // 100 + 1)
+    for budget, compiles_while_serving in ((NARROW_ROWS_MAX + 64, False), (None, True)):
+        runner = _runner(packed=True, compiled=True)
+        runner.warm_up(budget)
+        torch._dynamo.utils.counters.clear()
+        with torch.inference_mode():
+            runner._warm_up_forward(past_limit)
+        assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) is compiles_while_serving, budget
