@@ -55,8 +55,11 @@ FEW_ROWS_MAX = 128
 # oneDNN's time over the kernel's: down (576 outputs) 1.1-1.9x at 160-1280 rows, o (576) 1.1-1.65x
 # at 160-768 but 0.8x at 896-1024, qkv (960) 0.8-1.0x at 256-640 but 1.4-1.5x at 768-1024; the three
 # together 1.1-1.6x at 256-1024 rows. Wider layers stay with oneDNN (gate_up, 3072 outputs:
-# 0.72-0.8x at 256+ rows). Prompt chunks of 129-1024 tokens are what this speeds up.
+# 0.72-0.8x at 256+ rows). Prompt chunks of 129-1024 tokens are what this speeds up. Only up to
+# NARROW_IN_FEATURES inputs, where the kernel's 256-row chunk of activations (1 MB at 2048) stays in
+# L2: measured the same way, 576x2048 1.2-2.0x at 160-1024 rows, but 1024x4096 0.8-0.9x at 256+.
 NARROW_OUT_FEATURES = 1024
+NARROW_IN_FEATURES = 2048
 NARROW_ROWS_MAX = 1024
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,
@@ -158,7 +161,8 @@ class PackedLinear(nn.Module):
 def few_rows_limit(in_features: int, out_features: int, matrix_tiles: bool) -> int:
     """The most rows a layer gives kvserve's bf16 kernel when oneDNN's packed matmul is there too
     (`matrix_tiles`: the CPU has AMX; the kernel's tile route needs inputs in multiples of 32)."""
-    narrow = matrix_tiles and out_features <= NARROW_OUT_FEATURES and in_features % 32 == 0
+    narrow = (matrix_tiles and out_features <= NARROW_OUT_FEATURES and in_features <= NARROW_IN_FEATURES
+              and in_features % 32 == 0)
     return NARROW_ROWS_MAX if narrow else FEW_ROWS_MAX
 
 

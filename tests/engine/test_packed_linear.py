@@ -16,7 +16,8 @@ from torch import nn
 
 from kvserve.engine.model import packed_linear as packed_linear_module
 from kvserve.engine.model.llama import LlamaForCausalLM
-from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, NARROW_OUT_FEATURES, NARROW_ROWS_MAX, PackedLinear,
+from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, NARROW_IN_FEATURES, NARROW_OUT_FEATURES,
+                                                NARROW_ROWS_MAX, PackedLinear,
                                                 few_rows_limit, few_rows_weight_bytes, pack_linear_weights,
                                                 packable_weight_bytes, packed_linear, weight_packing_supported)
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, bf16_matrix_tiles
@@ -85,6 +86,8 @@ def test_narrow_layers_keep_the_kernel_up_to_more_rows_where_the_cpu_has_tiles()
     assert few_rows_limit(576, NARROW_OUT_FEATURES + 1, matrix_tiles=True) == FEW_ROWS_MAX  # gate_up: oneDNN's
     assert few_rows_limit(576, 576, matrix_tiles=False) == FEW_ROWS_MAX  # the vector route stops early
     assert few_rows_limit(80, 576, matrix_tiles=True) == FEW_ROWS_MAX  # inputs the tile route cannot take
+    assert few_rows_limit(NARROW_IN_FEATURES, 576, matrix_tiles=True) == NARROW_ROWS_MAX
+    assert few_rows_limit(2 * NARROW_IN_FEATURES, 576, matrix_tiles=True) == FEW_ROWS_MAX  # rows past L2
 
 
 @needs_kernel
