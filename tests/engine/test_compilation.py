@@ -78,6 +78,27 @@ def test_after_warm_up_layers_run_their_compiled_graphs_without_entering_dynamo(
 
 
 @pytest.mark.slow
+def test_direct_layer_calls_read_their_inputs_without_dynamos_disabling_wrappers() -> None:
+    # The graph's pre-graph code reads sizes through torch._dynamo.utils; called directly, outside
+    # dynamo, it gets the same helpers unwrapped from torch._disable_dynamo, and computes the same.
+    runner, eager = _runner(1e-6, compiled=True), _runner(1e-6, compiled=False)
+    runner.warm_up()
+    _hidden(runner)
+    calls = runner.model.layers[0]._compiled_call_impl.func
+    assert calls.functions, "no graph was bound"
+    for function in calls.functions.values():
+        helper_names = [n for n in function.__code__.co_names if n.startswith("__import_torch_dot__dynamo_dot_utils")]
+        assert helper_names, "the pre-graph code no longer reads sizes through dynamo's utils"
+        for name in helper_names:
+            helpers = function.__globals__[name]
+            assert helpers.call_size is torch._dynamo.utils.call_size.__wrapped__
+            assert helpers.record_pregraph_bytecode_enter is torch._dynamo.utils.record_pregraph_bytecode_enter.__wrapped__
+            assert helpers.is_compile_supported is torch._dynamo.utils.is_compile_supported  # the rest: dynamo's own
+    torch.testing.assert_close(_hidden(runner), _hidden(eager), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_hidden(runner, (5,)), _hidden(eager, (5,)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_a_layer_that_branches_on_the_row_count_runs_the_graph_of_its_branch() -> None:
     # int8 layers call the packed int8 op up to PACKED_MAX_ROWS rows and cast + matmul above: the
     # warm-up's graphs (1 and 3 rows) must not serve a 20-row step.
