@@ -78,8 +78,10 @@ class Sampler:
         return processed.index_copy(0, rows, apply_penalties(processed.index_select(0, rows), penalties))
 
 
-# Chunk width of greedy_tokens' first pass.
-_ARGMAX_CHUNK = 128
+# Chunk widths of greedy_tokens' first pass, widest first: the widest that divides the vocabulary
+# is used. Measured (64 rows x 49152 bf16 logits, 2 threads): 512 wide 636 us, 256 681, 128 833,
+# 1024 699 (the second pass's argmax over the chosen chunk grows); 16 rows: 162, 175, 211, 187.
+_ARGMAX_CHUNKS = (512, 256, 128)
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:
@@ -88,16 +90,17 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     On CPU, torch's argmax (and max with indices) over [rows, 49152] float32 logits runs at a
     fraction of memory speed, and more slowly still once the logits outgrow the cache: at 64
     rows it cost more than everything else a greedy step samples. So the CPU path finds each
-    row's first best chunk of 128 tokens with amax (a plain vectorised reduction), then the
+    row's first best chunk of up to 512 tokens with amax (a plain vectorised reduction), then the
     first best token inside that one chunk. Ties and NaNs resolve as in argmax: amax keeps NaN,
     and both passes take the first index of their maximum."""
     rows, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab % _ARGMAX_CHUNK or not logits.is_contiguous():
+    chunk = next((width for width in _ARGMAX_CHUNKS if vocab % width == 0), None)
+    if logits.device.type != "cpu" or chunk is None or not logits.is_contiguous():
         return logits.argmax(dim=-1)
-    chunks = logits.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    chunks = logits.view(rows, vocab // chunk, chunk)
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)
     inside = chunks[torch.arange(rows, device=logits.device), best_chunk].argmax(dim=-1)
-    return best_chunk * _ARGMAX_CHUNK + inside
+    return best_chunk * chunk + inside
 
 
 def apply_logits_processors(logits: Tensor, batch: SamplingBatch) -> Tensor:

@@ -310,7 +310,8 @@ def test_bfloat16_logits_are_accepted() -> None:
     assert Sampler()(logits, batch_of([request(SamplingParams(temperature=0))], 3)).token_ids == [1]
 
 
-@pytest.mark.parametrize("vocab", [1024, 1000])  # chunked path, and the plain argmax fallback
+# Chunks of 512 (1024), 256 (1280), 128 (1152), and the plain argmax fallback (1000).
+@pytest.mark.parametrize("vocab", [1024, 1280, 1152, 1000])
 def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules(vocab: int) -> None:
     """The first maximum wins a tie (inside a chunk and across chunks), a NaN counts as the
     maximum (even after a larger finite value), an all -inf row gives 0."""
