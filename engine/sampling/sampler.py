@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from kvserve.engine.sampling.sampling_batch import RandomRows, SamplingBatch
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_row_argmax
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
 from kvserve.engine.sampling.token_counts import Penalties, TokenCounts
@@ -89,13 +90,19 @@ def greedy_tokens(logits: Tensor) -> Tensor:
 
     On CPU, torch's argmax (and max with indices) over [rows, 49152] float32 logits runs at a
     fraction of memory speed, and more slowly still once the logits outgrow the cache: at 64
-    rows it cost more than everything else a greedy step samples. So the CPU path finds each
-    row's first best chunk of up to 512 tokens with amax (a plain vectorised reduction), then the
-    first best token inside that one chunk. Ties and NaNs resolve as in argmax: amax keeps NaN,
-    and both passes take the first index of their maximum."""
+    rows it cost more than everything else a greedy step samples. bf16 logits (a bf16 model's)
+    go to kvserve's C++ argmax where it is built (kernels/cpu_bf16_gemm.py: one pass, 4x the
+    path below). Otherwise the CPU path finds each row's first best chunk of up to 512 tokens
+    with amax (a plain vectorised reduction), then the first best token inside that one chunk.
+    Ties and NaNs resolve as in argmax: amax keeps NaN, and both passes take the first index of
+    their maximum."""
     rows, vocab = logits.shape
+    if logits.device.type != "cpu" or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    if logits.dtype is torch.bfloat16 and vocab > 0 and bf16_gemm_available():
+        return bf16_row_argmax(logits)  # a half-precision lm_head's logits: one pass in C++
     chunk = next((width for width in _ARGMAX_CHUNKS if vocab % width == 0), None)
-    if logits.device.type != "cpu" or chunk is None or not logits.is_contiguous():
+    if chunk is None:
         return logits.argmax(dim=-1)
     chunks = logits.view(rows, vocab // chunk, chunk)
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)

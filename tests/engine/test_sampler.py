@@ -9,11 +9,13 @@ import math
 import pytest
 import torch
 
+from kvserve.engine.sampling import sampler as sampler_module
 from kvserve.engine.sampling.sampler import Sampler, apply_logits_processors, draw_inverse_cdf, greedy_tokens
 from kvserve.engine.sampling.sampling_batch import SamplingBatch
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
 from kvserve.engine.input_batch import CachedRequestState
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_row_argmax
 from kvserve.scheduler.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -310,11 +312,20 @@ def test_bfloat16_logits_are_accepted() -> None:
     assert Sampler()(logits, batch_of([request(SamplingParams(temperature=0))], 3)).token_ids == [1]
 
 
-# Chunks of 512 (1024), 256 (1280), 128 (1152), and the plain argmax fallback (1000).
+# Chunks of 512 (1024), 256 (1280), 128 (1152), and the plain argmax fallback (1000); bf16 logits
+# through kvserve's C++ argmax where it is built, and through the chunked path without it.
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("vocab", [1024, 1280, 1152, 1000])
-def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules(vocab: int) -> None:
+def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules(vocab: int, kernel: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The first maximum wins a tie (inside a chunk and across chunks), a NaN counts as the
     maximum (even after a larger finite value), an all -inf row gives 0."""
+    if kernel and not bf16_gemm_available():
+        pytest.skip("kvserve's bf16 kernels are not built here (no AVX-512 or no C++ compiler)")
+    monkeypatch.setattr(sampler_module, "bf16_gemm_available", lambda: kernel)
+    argmax_kernel_calls = []
+    monkeypatch.setattr(sampler_module, "bf16_row_argmax",
+                        lambda logits: argmax_kernel_calls.append(1) or bf16_row_argmax(logits))
     logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))
     logits[0, [5, 7, 900]] = 50.0
     logits[1, [300, 9]] = float("nan")
@@ -329,6 +340,7 @@ def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules(vocab: int) -> None:
     half = logits.bfloat16()
     assert greedy_tokens(half).tolist() == half.argmax(dim=-1).tolist()
     assert greedy_tokens(logits[:, :vocab // 2]).tolist() == logits[:, :vocab // 2].argmax(dim=-1).tolist()
+    assert len(argmax_kernel_calls) == (1 if kernel else 0)  # the bf16 logits only
 
 
 def test_plain_greedy_rows_take_the_argmax_of_half_precision_logits_without_upcasting() -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu_kernel_build
-from kvserve.kernels.cpu_bf16_gemm import (SOURCE, bf16_gemm_available, bf16_linear, load_bf16_gemm, pack_bf16,
+from kvserve.kernels.cpu_bf16_gemm import (SOURCE, bf16_gemm_available, bf16_linear, bf16_row_argmax, load_bf16_gemm, pack_bf16,
                                            unpack_bf16)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,3 +158,43 @@ def test_the_build_for_avx512_without_bf16_matches_the_float32_product_too(tmp_p
     done = subprocess.run([sys.executable, "-c", CHECK_WITHOUT_BF16, str(library)], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "without bf16 ok" in done.stdout, done.stdout + done.stderr
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49152])
+def test_row_argmax_follows_argmax_rules(vocab: int) -> None:
+    """torch.argmax's answers on bf16 logits: the first maximum (ties within and across 16-entry
+    vectors, and in the tail past the last full vector; -0.0 equals 0.0), a NaN as the maximum
+    (the first one, also after a larger value or in the tail), an all -inf row gives 0."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, vocab, generator=generator)
+    last = vocab - 1
+    logits[0, [last, 0]] = 50.0
+    logits[1, [last, min(3, last)]] = float("nan")
+    logits[2] = float("-inf")
+    logits[3] = 0.0
+    logits[3, last] = -0.0
+    logits[4, last] = float("inf")
+    logits[5, 0] = 60.0
+    logits[5, last] = float("nan")
+    logits[6] = -0.0
+    logits[6, last] = 0.0
+    logits[7, last // 2] = 1e30
+    logits[8] = float("-inf")
+    logits[8, last] = -1e30
+    half = logits.bfloat16()
+    assert bf16_row_argmax(half).tolist() == half.argmax(dim=-1).tolist()
+    assert bf16_row_argmax(half[:1]).tolist() == half[:1].argmax(dim=-1).tolist()
+    assert bf16_row_argmax(half[:0]).tolist() == []
+    many = torch.randn(67, vocab, generator=generator).bfloat16()  # rows split over threads
+    assert torch.equal(bf16_row_argmax(many), many.argmax(dim=-1))
+
+
+@needs_kernel
+def test_row_argmax_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="contiguous, non-empty"):
+        bf16_row_argmax(torch.zeros(2, 8))  # float32
+    with pytest.raises(ValueError, match="contiguous, non-empty"):
+        bf16_row_argmax(torch.zeros(8, 2, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="contiguous, non-empty"):
+        bf16_row_argmax(torch.zeros(2, 0, dtype=torch.bfloat16))
