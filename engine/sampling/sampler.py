@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 
 from kvserve.engine.sampling.sampling_batch import RandomRows, SamplingBatch
-from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_row_argmax
 from kvserve.engine.sampling.sampling_filters import filter_logits
 from kvserve.engine.sampling.sampling_noise import uniform_from_counter
 from kvserve.engine.sampling.token_counts import Penalties, TokenCounts
+from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_row_argmax
 from kvserve.scheduler.output import TokenLogprobs
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch"]

@@ -82,12 +82,13 @@ inline __m256i to_bf16(__m512 v) {
 #endif
 }
 
-inline __m512 load_bias(const BF16* bias, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
+// Up to 16 values (the lanes in `mask`; the others 0) as fp32: a bias, a row of logits.
+inline __m512 load_fp32(const BF16* src, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, src);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-inline __m512 load_bias(const float* bias, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, bias); }
+inline __m512 load_fp32(const float* src, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, src); }
 
 inline void store_row(BF16* out, __mmask16 mask, __m512 v) { _mm256_mask_storeu_epi16(out, mask, to_bf16(v)); }
 
@@ -139,7 +140,7 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t
   UNROLL for (int t = 0; t < T; ++t) {
     const int64_t c0 = n0 + t * kTile;
     const __mmask16 mask = channel_mask(c0, n);
-    const __m512 b = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
+    const __m512 b = bias != nullptr ? load_fp32(bias + c0, mask) : _mm512_setzero_ps();
     UNROLL for (int r = 0; r < R; ++r) store_row(out + r * ldo + c0, mask, _mm512_add_ps(acc[r][t], b));
   }
 }
@@ -212,7 +213,7 @@ bool amx_usable() {
 void store_tile_rows(const float* sums, int rows, const BF16* bias, BF16* out, int64_t ldo, int64_t c0, int64_t n) {
   if (c0 >= n) return;
   const __mmask16 mask = channel_mask(c0, n);
-  const __m512 bv = bias != nullptr ? load_bias(bias + c0, mask) : _mm512_setzero_ps();
+  const __m512 bv = bias != nullptr ? load_fp32(bias + c0, mask) : _mm512_setzero_ps();
   for (int r = 0; r < rows; ++r) {
     store_row(out + r * ldo + c0, mask, _mm512_add_ps(_mm512_loadu_ps(sums + r * 16), bv));
   }
@@ -455,12 +456,14 @@ int64_t first_nan(const BF16* row, int64_t n) {
   return -1;
 }
 
+constexpr __mmask16 kAllLanes = 0xFFFF;
+
 int64_t row_argmax(const BF16* row, int64_t n) {
   const int64_t vector_end = n / kTile * kTile;
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;
   for (int64_t i = 0; i < vector_end; i += kTile) {
-    const __m512 v = load_bias(row + i, static_cast<__mmask16>(0xFFFF));  // 16 bf16 widened to fp32
+    const __m512 v = load_fp32(row + i, kAllLanes);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     best = _mm512_max_ps(best, v);
   }
@@ -473,7 +476,7 @@ int64_t row_argmax(const BF16* row, int64_t n) {
   if (nan) return first_nan(row, n);
   const __m512 target = _mm512_set1_ps(max);
   for (int64_t i = 0; i < vector_end; i += kTile) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(load_bias(row + i, static_cast<__mmask16>(0xFFFF)), target, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_cmp_ps_mask(load_fp32(row + i, kAllLanes), target, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
   for (int64_t i = vector_end; i < n; ++i) {
