@@ -3,12 +3,19 @@ import pytest
 from kvserve.paging import BlockAllocator, BlockAllocatorError, NoFreeBlocksError
 
 
-def test_hands_out_low_ids_first_and_reuses_released_ones_last():
+def test_hands_out_the_lowest_free_id_first_released_ones_included():
+    allocator = BlockAllocator(6, 16)
+    assert [allocator.allocate() for _ in range(5)] == [0, 1, 2, 3, 4]
+    for block in (3, 1):  # released out of order
+        allocator.release(block)
+    # The released ids come back lowest first, before the never-used 5: blocks handed out in
+    # release order would scatter a request's blocks over memory.
+    assert [allocator.allocate() for _ in range(3)] == [1, 3, 5]
+    allocator.release(4)
+    allocator.release(0)
+    assert [allocator.allocate() for _ in range(2)] == [0, 4]
     allocator = BlockAllocator(4, 16)
-    assert [allocator.allocate() for _ in range(3)] == [0, 1, 2]
-    allocator.release(1)
-    assert allocator.allocate() == 3  # the never-used block comes before the released one
-    assert allocator.allocate() == 1
+    assert [allocator.allocate() for _ in range(4)] == [0, 1, 2, 3]
     with pytest.raises(NoFreeBlocksError, match="all 4 KV cache blocks are in use"):
         allocator.allocate()
 
@@ -39,7 +46,7 @@ def test_double_free_and_foreign_ids_raise_without_corrupting_state():
     with pytest.raises(BlockAllocatorError, match="allocate"):
         allocator.incref(2)  # a free block holds nothing to share
     assert (allocator.num_free, allocator.num_used, allocator.num_cached) == (3, 0, 0)
-    assert [allocator.allocate() for _ in range(3)] == [1, 2, 0]
+    assert [allocator.allocate() for _ in range(3)] == [0, 1, 2]
 
 
 def test_cached_blocks_are_evicted_least_recently_released_first_and_only_when_nothing_is_free():

@@ -82,8 +82,8 @@ def test_eviction_order_last_blocks_of_a_finished_request_first_then_older_reque
     assert manager.eviction_order() == [2, 1, 0, 3]  # b's partial block 4 went to the free list
     stats = manager.stats()
     assert (stats.blocks_used, stats.blocks_cached, stats.blocks_free, manager.num_free_blocks) == (0, 4, 2, 6)
-    # Free blocks first (5, then 4), then the LRU: a's tail before its head.
-    assert admit(manager, "c", tokens(64, start=900)) == [5, 4, 2, 1]
+    # Free blocks first (lowest id first: 4, then 5), then the LRU: a's tail before its head.
+    assert admit(manager, "c", tokens(64, start=900)) == [4, 5, 2, 1]
     assert manager.eviction_order() == [0, 3]
     assert hit(manager, a) == ([0], 16)  # block 1 was evicted: the chain stops
 

@@ -45,14 +45,15 @@ def test_a_prefix_hit_needs_the_block_in_every_group():
     assert manager.get_computed_blocks(tokens(40)) == (((0, 1), (3, 4)), 32)
     manager.free("a")  # group A's table last-first, then B's: the LRU is 1, 0, 4, 3; 2 and 5 are free
     assert manager.eviction_order() == [1, 0, 4, 3]
-    assert admit(manager, "b", tokens(20, start=900)) == ((6, 7), (8, 9))
-    assert admit(manager, "c", tokens(20, start=700)) == ((10, 11), (12, 2))
-    assert admit(manager, "d", tokens(16, start=300)) == ((5,), (1,))  # 5 was free; 1 is evicted from A's cache
+    # Free blocks go out lowest id first, A's freed 2 and 5 before the never-used ones.
+    assert admit(manager, "b", tokens(20, start=900)) == ((2, 5), (6, 7))
+    assert admit(manager, "c", tokens(20, start=700)) == ((8, 9), (10, 11))
+    assert admit(manager, "d", tokens(16, start=300)) == ((12,), (1,))  # 12 was free; 1 is evicted from A's cache
     # Group A now holds one block of the prefix, group B two: a request can reuse one.
     assert manager.get_computed_blocks(tokens(40)) == (((0,), (3,)), 16)
     assert admit(manager, "e", tokens(40)) is None  # two more blocks in each group; only block 4 is evictable
-    manager.free("b")
-    assert admit(manager, "e", tokens(40)) == ((0, 7, 9), (3, 4, 6))
+    manager.free("b")  # b's full blocks 2 and 6 cached, its partial 5 and 7 free
+    assert admit(manager, "e", tokens(40)) == ((0, 5, 7), (3, 4, 2))  # the free two, then the LRU's 4 and 2
     assert manager.refcount(0) == manager.refcount(3) == 1
 
 def test_copy_on_write_copies_in_every_group_and_reports_the_rewritten_tables():

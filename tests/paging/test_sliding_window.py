@@ -167,8 +167,9 @@ def test_a_window_hit_needs_only_the_blocks_before_its_end():
     manager.free("a")  # blocks 0 .. 5 cached (6 holds 4 tokens: not full)
     # 99 // 16 = 6 blocks may hit; the query at 96 reads 65 .. 96: blocks 4 and 5.
     assert manager.get_computed_blocks(prompt) == (((None, None, None, None, 4, 5),), 96)
+    # The new block is the lowest free one: a's partial block 6, released to the free list.
     assert manager.allocate_slots("b", prompt, 96, 4, ((None, None, None, None, 4, 5),)) == \
-        ((None, None, None, None, 4, 5, 7),)
+        ((None, None, None, None, 4, 5, 6),)
     assert manager.refcount(4) == manager.refcount(5) == 1 and manager.refcount(0) == 0
 
 
