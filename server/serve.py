@@ -10,6 +10,7 @@ A second SIGTERM/SIGINT while draining skips the rest of the grace period.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import sys
@@ -103,6 +104,11 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, engine_f
         await serve_task
         return 2 if usage else 1
     engine = loaded.result()
+    # Everything alive now (the model, compiled graphs, torch's and the compiler's objects: about
+    # half a million) lives as long as the server. Frozen, the collector stops walking it: each full
+    # collection otherwise stalls the engine thread ~180 ms (measured in a W64 run).
+    gc.collect()
+    gc.freeze()
     engine.start()
     state.attach_engine(engine)
     metrics.set_config_info(loaded_metrics_info(engine))
@@ -115,6 +121,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, engine_f
         server.should_exit = True
         await serve_task
     engine.shutdown()
+    gc.unfreeze()  # for a caller that goes on after the server (tests run it in-process)
     print("kvserve: stopped", file=out, flush=True)
     return 0
 
