@@ -4,7 +4,8 @@
                  a row-parallel layer's inner linear is swapped, so its all_reduce stays
     2. prepack   (CPU, bf16; float32 where --dtype auto chose it) reorders the remaining
                  nn.Linear weights into oneDNN's blocked layout once; after quantization, whose
-                 modules it must not touch
+                 modules it must not touch; and routes the gated MLPs' bf16 SiLU to kvserve's
+                 kernel where it is built
     3. compile   (the runner, unless --enforce-eager) traces the final modules: a layer is
                  traced as it is when first run, and later changes go unnoticed
 
@@ -19,6 +20,7 @@ import logging
 import torch
 
 from kvserve.engine.kv_memory import MemorySources, cpu_memory_headroom
+from kvserve.engine.model.gated_mlp import GatedMLP
 from kvserve.engine.model.packed_linear import (PackedLinear, few_rows_weight_bytes, pack_linear_weights,
                                                 packable_weight_bytes)
 from kvserve.engine.model.protocol import CausalLM
@@ -50,6 +52,10 @@ def prepack(model: CausalLM, device: torch.device, weights_bytes: int,
     if device.type != "cpu":
         return 0
     few_rows = bf16_gemm_available()
+    if few_rows:
+        silu = sum(m.use_cpu_silu_kernel() for m in model.modules() if isinstance(m, GatedMLP))
+        if silu:
+            logger.info("%d gated MLPs' bf16 SiLU x up on kvserve's kernel", silu)
     copy_bytes = packable_weight_bytes(model) if few_rows else 0
     if copy_bytes:
         headroom = cpu_memory_headroom(weights_bytes, memory_sources)

@@ -3,7 +3,8 @@ same bf16 values within bf16's rounding on SmolLM2's shapes, odd N and K, 1..9 r
 the AMX paths' row blocks (16, 17, 31-33, 64, 100, 128, 257 and 300: past a 256-row chunk), with and
 without bias; the build for AVX-512 CPUs without BF16 (its own route: pairs widened to fp32, its own
 rounding) does the same where this CPU has BF16 too; it stays one node under torch.compile; where the CPU lacks the
-instructions or the build fails, one log line and False, never an exception."""
+instructions or the build fails, one log line and False, never an exception. The row argmax follows
+argmax's rules; silu_mul is the compiled forward's silu(gate) * up bit for bit."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import cpu_kernel_build
 from kvserve.kernels.cpu_bf16_gemm import (SOURCE, bf16_gemm_available, bf16_linear, bf16_row_argmax, load_bf16_gemm, pack_bf16,
-                                           unpack_bf16)
+                                           silu_mul, unpack_bf16)
 
 REPO = Path(__file__).resolve().parents[2]
 needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 or no C++ compiler here")
@@ -198,3 +199,60 @@ def test_row_argmax_refuses_what_it_cannot_read() -> None:
         bf16_row_argmax(torch.zeros(8, 2, dtype=torch.bfloat16).t())
     with pytest.raises(ValueError, match="contiguous, non-empty"):
         bf16_row_argmax(torch.zeros(2, 0, dtype=torch.bfloat16))
+
+
+def _silu_times_up(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bf16 bit patterns, any NaN equal to any NaN (their payloads carry nothing)."""
+    return bool(((a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())).all())
+
+
+@needs_kernel
+def test_silu_mul_is_the_compiled_forwards_silu_times_up_bit_for_bit() -> None:
+    """Every one of bf16's 65,536 gate values (subnormals, infinities and NaNs included) against
+    random ups: the fp32 formula the compiled forward's kernel evaluates, and that kernel itself."""
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    ups = torch.randn(65536, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    gate_up = torch.cat([gates, ups]).view(1, -1)
+    out = silu_mul(gate_up)
+    wide = gates.float()
+    assert _same_bits(out[0], (wide / (torch.exp(-wide) + 1) * ups.float()).to(torch.bfloat16))
+    assert _same_bits(out, torch.compile(_silu_times_up, dynamic=False)(gate_up))
+    # Rounded to bf16 once, after the product: not the eager bf16 path, which rounds silu first.
+    assert not _same_bits(out[0], F.silu(gates) * ups)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 2), (3, 30), (1, 32), (5, 34), (64, 3072), (2, 3, 66), (0, 3072), (1889, 3072)])
+def test_silu_mul_takes_any_width_and_leading_dimensions(shape: tuple[int, ...]) -> None:
+    gate_up = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+    out = silu_mul(gate_up)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == torch.bfloat16
+    wide = gate_up.float()
+    gate, up = wide.split(shape[-1] // 2, dim=-1)
+    assert _same_bits(out, (gate / (torch.exp(-gate) + 1) * up).to(torch.bfloat16))
+    # A strided view of the same values (rows further apart than their width) gives the same answer.
+    strided = torch.cat([gate_up, gate_up[..., :2]], dim=-1)[..., :shape[-1]]
+    assert _same_bits(silu_mul(strided), out)
+
+
+@needs_kernel
+def test_silu_mul_is_one_graph_node_under_torch_compile_at_any_row_count() -> None:
+    compiled = torch.compile(silu_mul, dynamic=True, fullgraph=True)
+    for rows in (1, 7, 64):
+        gate_up = torch.randn(rows, 96).to(torch.bfloat16)
+        assert _same_bits(compiled(gate_up), silu_mul(gate_up))
+
+
+@needs_kernel
+def test_silu_mul_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="bfloat16 CPU tensor"):
+        silu_mul(torch.zeros(2, 8))  # float32
+    with pytest.raises(ValueError, match="even"):
+        silu_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="even"):
+        silu_mul(torch.tensor(1.0, dtype=torch.bfloat16))
