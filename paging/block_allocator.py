@@ -8,8 +8,8 @@ Every block is in exactly one of three states:
     free        refcount == 0, holding nothing worth keeping
 
 allocate() takes the free block with the lowest id, and only when none is left evicts the least
-recently used cached one (telling the prefix cache through `on_evict`). Keeping cached blocks around costs nothing
-until memory runs short, which is the whole point of prefix caching.
+recently used cached one (telling the prefix cache through `on_evict`). Keeping cached blocks
+around costs nothing until memory runs short, which is the whole point of prefix caching.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class BlockAllocator:
         # A min-heap: the lowest free id goes out first. A request's blocks then tend to sit next
         # to each other in memory even after many requests have come and gone, and attention
         # streams adjacent blocks faster: handing released blocks out in release order instead
-        # (first in, first out) scatters them, which cost a long-running engine 6-7% of its W64
-        # throughput. The order is also predictable, which makes exact-block-id tests possible.
+        # (first in, first out) scatters them, which cost a long-running engine 3-8% of its W64
+        # throughput (benchmarks/repeated_runs.py). The order is also predictable, which makes
+        # exact-block-id tests possible.
         self._free: list[int] = list(range(num_blocks))
         # Insertion order is release order: the first key is the least recently used.
         self._cached: OrderedDict[int, None] = OrderedDict()

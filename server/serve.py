@@ -106,7 +106,7 @@ async def _serve(engine_config: EngineConfig, settings: ServerSettings, engine_f
     engine = loaded.result()
     # Everything alive now (the model, compiled graphs, torch's and the compiler's objects: about
     # half a million) lives as long as the server. Frozen, the collector stops walking it: each full
-    # collection otherwise stalls the engine thread ~180 ms (measured in a W64 run).
+    # collection otherwise stalls the engine thread ~180 ms (measured in an offline W64 run).
     gc.collect()
     gc.freeze()
     engine.start()
