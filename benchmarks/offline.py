@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_stages import speculative_json  # noqa: E402
 from throughput import run_kvserve_continuous, run_kvserve_static, run_transformers_static  # noqa: E402
-from workload import WorkItem, fixed_workload  # noqa: E402
+from workload import WorkItem, fixed_workload, kv_blocks  # noqa: E402
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.config import EngineConfig  # noqa: E402
@@ -48,7 +48,7 @@ def bench_kvserve(items: list[WorkItem], dtype: str, static_sizes: Sequence[int]
                   speculative_config: str | None = None) -> list[dict[str, Any]]:
     # The KV cache is sized to the workload (every request resident at once), not to free memory,
     # so the run does not depend on what else the machine holds.
-    blocks = sum(math.ceil((len(i.prompt_token_ids) + i.output_len) / 16) for i in items) + 64
+    blocks = kv_blocks(items)
     llm = LLM(**({"model": model} if model else {}), device=device, dtype=dtype, max_num_seqs=max(64, len(items)),
               max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=1024, num_kv_blocks=blocks,
               speculative_config=speculative_config)

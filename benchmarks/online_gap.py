@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import resource
 import sys
@@ -25,16 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import KvserveServerOptions, ServerProcess, free_port, kvserve_serve_argv  # noqa: E402
 from throughput import run_kvserve_continuous  # noqa: E402
-from workload import WorkItem, fixed_workload  # noqa: E402
+from workload import WorkItem, fixed_workload, kv_blocks  # noqa: E402
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.loadtest.client import Endpoint  # noqa: E402
 from kvserve.loadtest.datasets import BenchRequest  # noqa: E402
 from kvserve.loadtest.runner import LoadConfig, run_load  # noqa: E402
-
-
-def kv_blocks(items: list[WorkItem]) -> int:
-    return sum(math.ceil((len(i.prompt_token_ids) + i.output_len) / 16) for i in items) + 64
 
 
 def process_cpu_s(pid: int) -> float:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import run_kvserve_continuous  # noqa: E402
-from workload import WorkItem, fixed_workload  # noqa: E402
+from workload import WorkItem, fixed_workload, kv_blocks  # noqa: E402
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 
@@ -48,7 +47,7 @@ def main() -> int:
     if args.runs < 2:
         parser.error("--runs must be at least 2: the first run is the one the others are compared with")
     items = fixed_workload(num_requests=args.num_requests)
-    blocks = sum(math.ceil((len(i.prompt_token_ids) + i.output_len) / 16) for i in items) + 64
+    blocks = kv_blocks(items)
     llm = LLM(max_num_seqs=max(64, args.num_requests), max_num_batched_tokens=2048, max_model_len=1024,
               enable_prefix_caching=args.prefix_caching, num_kv_blocks=blocks)
     llm.generate([[17, 18, 19, 20]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

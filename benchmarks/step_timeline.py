@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -27,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import params_for  # noqa: E402
-from workload import fixed_workload  # noqa: E402
+from workload import fixed_workload, kv_blocks  # noqa: E402
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.stats import FinishedRequestStats, StepStats  # noqa: E402
@@ -100,7 +99,7 @@ def main() -> int:
     args = parser.parse_args()
 
     items = fixed_workload(num_requests=args.num_requests)
-    blocks = sum(math.ceil((len(i.prompt_token_ids) + i.output_len) / 16) for i in items) + 64
+    blocks = kv_blocks(items)
     llm = LLM(**({"model": args.model} if args.model else {}), dtype=args.dtype,
               max_num_seqs=args.max_num_seqs or max(64, len(items)),
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, max_model_len=1024,

@@ -3,6 +3,7 @@ seed 0, 64 requests, prompts of 16-256 random token ids, outputs of 16-256 token
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -32,3 +33,10 @@ def fixed_workload(
             )
         )
     return items
+
+
+def kv_blocks(items: list[WorkItem], block_size: int = 16, spare: int = 64) -> int:
+    """A KV cache that holds every request at once (prompt and output), plus `spare` blocks: the
+    benchmarks size the cache to the workload, not to free memory, so a run does not depend on
+    what else the machine holds."""
+    return sum(math.ceil((len(i.prompt_token_ids) + i.output_len) / block_size) for i in items) + spare

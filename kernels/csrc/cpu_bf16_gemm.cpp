@@ -545,9 +545,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
                     gate_up.scalar_type(), " ", gate_up.sizes());
   const at::Tensor rows = gate_up.reshape({-1, gate_up.size(-1)}).contiguous();
   const int64_t count = rows.size(0), width = rows.size(1) / 2;
-  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
-  shape.back() = width;
-  at::Tensor out = at::empty(shape, gate_up.options());
+  at::Tensor out = at::empty(out_shape(gate_up, width), gate_up.options());
   if (count == 0 || width == 0) return out;
   const float* table = silu_table();
   const auto* in = reinterpret_cast<const uint16_t*>(rows.data_ptr<BF16>());
