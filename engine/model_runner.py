@@ -11,6 +11,7 @@ goes through the backend's `prepare` once per group before the first layer.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from kvserve.engine.attention_metadata import build_flat_batch
 from kvserve.engine.compilation import bind_compiled_graphs, compile_layers, mark_cache_shapes_static, symbolic_sizes
 from kvserve.engine.input_batch import CachedRequestState, InputBatch
 from kvserve.engine.kv_cache_tensors import KVCacheTensors
+from kvserve.engine.model.fused_decode import FusedDecodeLayers
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.packed_linear import FEW_ROWS_MAX, NARROW_ROWS_MAX
 from kvserve.engine.model.protocol import CausalLM
@@ -31,6 +33,8 @@ from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_m
 from kvserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from kvserve.paging import KVCacheConfig, SlidingWindowSpec
 from kvserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -196,9 +200,24 @@ class ModelRunner:
         forwards = [functools.partial(self._warm_up_forward, lens) for lens in steps]
         if self.compiled and not self.graphs_bound:
             self.graphs_bound = bind_compiled_graphs(self.model, forwards)
+            # Compiled first, so that a step the fused layers do not fit finds its graph ready.
+            self._fuse_small_steps(forwards)
         else:
             for forward in forwards:
                 forward()
+
+    def _fuse_small_steps(self, forwards: list[functools.partial]) -> None:
+        """Where the model is made of plain Llama blocks on the CPU kernels, steps of up to the
+        few-row kernel's rows run all layers in one call (engine/model/fused_decode.py); the
+        warm-up's steps run once more through it, so a problem shows at start-up."""
+        fused = FusedDecodeLayers.build(self.model, self.attention)
+        if fused is None:
+            return
+        self.model.fused_layers = fused
+        logger.info("steps of up to %d rows run the %d layers in one call (kvserve's bf16 kernels)",
+                    fused.max_rows, len(fused.blocks))
+        for forward in forwards:
+            forward()
 
     def _warm_up_forward(self, query_lens: list[int]) -> None:
         # Every position of a request maps to block 0 (a chunk longer than a block writes its slots again).

@@ -19,6 +19,10 @@ each of bf16's 65,536 gate values looked up instead of computed (SmolLM2's 1,536
 threads, input in cache: 2.1 / 16 / 438 us against 18 / 47 / 931 us at 1 / 64 / 1,889 rows; in a
 1,889-token prefill step, whose input comes from memory, 0.94 ms a layer).
 
+torch.ops.kvserve_bf16.decoder_layers(x, cos, sin, per-layer weights and caches, the step's metadata,
+...) -> [rows, hidden] bf16: a stack of plain Llama blocks for one small step in one call, with no
+Python between a layer's ops (engine/model/fused_decode.py decides where it applies).
+
 It needs AVX-512 (F, BW), checked against /proc/cpuinfo before anything is built, and a C++
 compiler (built once per machine like the other CPU kernels: kernels/cpu_kernel_build.py). Where
 either is missing, `bf16_gemm_available()` says so in one log line and the layers keep oneDNN at
@@ -28,11 +32,13 @@ every row count.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.cpu_kernel_build import cpu_flags, load_optional_kernel
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_bf16_gemm.cpp"
@@ -101,3 +107,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     compiled forward computes it (gate widened to fp32, gate / (exp(-gate) + 1), times up, rounded
     to bf16 once). Only call after `bf16_gemm_available()` returned True."""
     return torch.ops.kvserve_bf16.silu_mul(gate_up)
+
+
+def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norms: Sequence[torch.Tensor],
+                   qkv_weights: Sequence[torch.Tensor], o_weights: Sequence[torch.Tensor],
+                   post_norms: Sequence[torch.Tensor], gate_up_weights: Sequence[torch.Tensor],
+                   down_weights: Sequence[torch.Tensor], key_caches: Sequence[torch.Tensor],
+                   value_caches: Sequence[torch.Tensor], meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
+                   intermediate_size: int, eps: float, scale: float) -> torch.Tensor:
+    """A stack of plain Llama blocks over x [rows, hidden] bf16 for one step (cos, sin [rows,
+    head_dim]; one packed weight per layer and linear, one bf16 cache pair per layer; `meta` the
+    step's, full attention): the last block's output, as the compiled layers compute it, bit for bit.
+    This step's K/V go into the caches. Only call after `bf16_gemm_available()` and the C++
+    attention kernel (kernels/cpu_attention.py) both returned True."""
+    return torch.ops.kvserve_bf16.decoder_layers(
+        x, cos, sin, list(input_norms), list(qkv_weights), list(o_weights), list(post_norms), list(gate_up_weights),
+        list(down_weights), list(key_caches), list(value_caches), meta.slot_mapping, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, num_heads, num_kv_heads, intermediate_size, eps, scale)

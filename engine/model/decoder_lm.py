@@ -14,7 +14,7 @@ layer is handed its own as a per-call input, so that all layers still share one 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -28,6 +28,16 @@ from kvserve.kernels import AttentionMetadata, KVCache
 if TYPE_CHECKING:
     from kvserve.kernels import AttentionBackend
     from kvserve.paging import KVCacheSpec
+
+
+class FusedLayers(Protocol):
+    """Runs every layer of a step at once (engine/model/fused_decode.py), for the steps it fits."""
+
+    def fits(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], kv_caches: list[KVCache],
+             attn_metadata: list[AttentionMetadata]) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -53,6 +63,8 @@ class DecoderLM(nn.Module):
             raise ValueError(f"rope_of_layer {self.rope_of_layer} must name one of {len(rotary_embs)} ropes per layer")
         self.embed_scale = embed_scale
         self.final_logit_soft_cap = final_logit_soft_cap
+        # All layers of a small step in one call where the runner set it up (engine/model/fused_decode.py).
+        self.fused_layers: FusedLayers | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,6 +80,9 @@ class DecoderLM(nn.Module):
             # In the model dtype, as transformers rounds it (sqrt(2304) in bf16 is 48.0, not 48.0000...).
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
         ropes = [rotary(positions, x.dtype) for rotary in self.rotary_embs]
+        fused = self.fused_layers
+        if fused is not None and fused.fits(x, ropes[0], kv_caches, attn_metadata):
+            return self.norm(fused(x, ropes[0], kv_caches, attn_metadata[0]))
         for layer, rope_index, kv_cache, meta in zip(self.layers, self.rope_of_layer, kv_caches, attn_metadata):
             x = layer(x, ropes[rope_index], kv_cache, meta, attention)
         return self.norm(x)
