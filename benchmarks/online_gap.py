@@ -14,7 +14,6 @@ settings; the client is kvserve-bench's (loadtest/) in this process, with its on
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import resource
 import sys
@@ -22,14 +21,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import KvserveServerOptions, ServerProcess, free_port, kvserve_serve_argv  # noqa: E402
+from serving import KvserveServerOptions, ServerProcess, free_port, kvserve_serve_argv, stream_workload  # noqa: E402
 from throughput import run_kvserve_continuous  # noqa: E402
 from workload import WorkItem, fixed_workload, kv_blocks  # noqa: E402
 
 from kvserve.engine import LLM, SamplingParams  # noqa: E402
-from kvserve.loadtest.client import Endpoint  # noqa: E402
-from kvserve.loadtest.datasets import BenchRequest  # noqa: E402
-from kvserve.loadtest.runner import LoadConfig, run_load  # noqa: E402
 
 
 def process_cpu_s(pid: int) -> float:
@@ -61,16 +57,9 @@ def own_cpu_s() -> float:
 
 def run_online(base_url: str, items: list[WorkItem], warmups: int) -> tuple[int, float, float, float]:
     """(output tokens, measured seconds, mean TTFT s, mean TPOT s) of one kvserve-bench-style run."""
-    endpoint = Endpoint(base_url=base_url, model="SmolLM2-135M-Instruct", ignore_eos=True, request_timeout_s=600)
-    requests = [BenchRequest(tuple(i.prompt_token_ids), len(i.prompt_token_ids), i.output_len) for i in items]
-    result = asyncio.run(run_load(endpoint, requests, LoadConfig(num_warmups=warmups, duration_s=1800,
-                                                                 show_progress=False)))
-    ok = [r for r in result.records if r.success]
-    if len(ok) != len(items):
-        failed = [r.error_message for r in result.records if not r.success][:3]
-        raise RuntimeError(f"{len(items) - len(ok)} online requests failed: {failed}")
+    ok, seconds = stream_workload(base_url, items, warmups=warmups)
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
-    return (sum(r.output_tokens for r in ok), result.duration_s, sum(r.ttft_s for r in ok) / len(ok),
+    return (sum(r.output_tokens for r in ok), seconds, sum(r.ttft_s for r in ok) / len(ok),
             sum(tpots) / max(1, len(tpots)))
 
 

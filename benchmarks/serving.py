@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -212,6 +213,29 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
+
+
+def stream_workload(base_url: str, items: Sequence[WorkItem], *, warmups: int = 1,
+                    max_concurrency: int | None = None) -> tuple[list[Any], float]:
+    """The workload through kvserve-bench's client in this process, all queued at once (token-id
+    prompts, EOS ignored): its request records and the measured seconds. Any failed request
+    (or went unsent) raises. The client is imported here, so that this module stays light for the scripts that
+    only start servers."""
+    import asyncio
+
+    from kvserve.loadtest.client import Endpoint
+    from kvserve.loadtest.datasets import BenchRequest
+    from kvserve.loadtest.runner import LoadConfig, run_load
+
+    endpoint = Endpoint(base_url=base_url, model="SmolLM2-135M-Instruct", ignore_eos=True, request_timeout_s=600)
+    requests = [BenchRequest(tuple(i.prompt_token_ids), len(i.prompt_token_ids), i.output_len) for i in items]
+    config = LoadConfig(num_warmups=warmups, max_concurrency=max_concurrency, duration_s=1800, show_progress=False)
+    result = asyncio.run(run_load(endpoint, requests, config))
+    ok = [r for r in result.records if r.success]
+    if len(ok) != len(items):
+        failed = [r.error_message for r in result.records if not r.success][:3]
+        raise RuntimeError(f"{len(items) - len(ok)} online requests failed: {failed}")
+    return ok, result.duration_s
 
 
 def write_workload_jsonl(items: Sequence[WorkItem], path: Path) -> Path:

@@ -14,7 +14,6 @@ out. engine/step_tokens.py chooses the default from such runs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 from contextlib import ExitStack
@@ -22,13 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import KvserveServerOptions, ServerProcess, free_port, kvserve_serve_argv  # noqa: E402
+from serving import KvserveServerOptions, ServerProcess, free_port, kvserve_serve_argv, stream_workload  # noqa: E402
 from workload import WorkItem, fixed_workload, kv_blocks  # noqa: E402
 
-from kvserve.loadtest.client import Endpoint  # noqa: E402
-from kvserve.loadtest.datasets import BenchRequest  # noqa: E402
 from kvserve.loadtest.metrics import LatencyStats  # noqa: E402
-from kvserve.loadtest.runner import LoadConfig, run_load  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -40,18 +36,11 @@ class BurstFigures:
 
 
 def run_burst(base_url: str, items: list[WorkItem], streams: int) -> BurstFigures:
-    endpoint = Endpoint(base_url=base_url, model="SmolLM2-135M-Instruct", ignore_eos=True, request_timeout_s=600)
-    requests = [BenchRequest(tuple(i.prompt_token_ids), len(i.prompt_token_ids), i.output_len) for i in items]
-    result = asyncio.run(run_load(endpoint, requests, LoadConfig(num_warmups=1, max_concurrency=streams,
-                                                                 duration_s=1800, show_progress=False)))
-    ok = [r for r in result.records if r.success]
-    if len(ok) != len(items):
-        failed = [r.error_message for r in result.records if not r.success][:3]
-        raise RuntimeError(f"{len(items) - len(ok)} requests failed: {failed}")
+    ok, seconds = stream_workload(base_url, items, max_concurrency=streams)
     ttft = LatencyStats.of([r.ttft_s for r in ok], [50])
     gaps = LatencyStats.of([gap for r in ok for gap in r.itl_s], [99])
-    return BurstFigures(sum(r.output_tokens for r in ok) / result.duration_s, ttft.percentiles_ms[50],
-                        ttft.mean_ms, gaps.percentiles_ms[99])
+    return BurstFigures(sum(r.output_tokens for r in ok) / seconds, ttft.percentiles_ms[50], ttft.mean_ms,
+                        gaps.percentiles_ms[99])
 
 
 def budgets_arg(text: str) -> list[int]:
