@@ -122,8 +122,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                            help="most requests running in one batch"),
         cache.add_argument("--max-num-batched-tokens", type=_positive_int, default=defaults.max_num_batched_tokens,
                            help="token budget of one engine step (prefill chunks + decodes); default: 2048 on "
-                                "a GPU and on a CPU with AMX serving bf16, on other CPUs 256 per thread between "
-                                "512 and 2048 (a CPU step's time grows with its tokens), at least --max-num-seqs"),
+                                "a GPU; on a CPU with AMX serving bf16 768 per thread between 1536 and 2048; on "
+                                "other CPUs 256 per thread between 512 and 2048 (a CPU step's time grows with its "
+                                "tokens), at least --max-num-seqs"),
         cache.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=defaults.scheduling_policy,
                            help="order of admission: fcfs (arrival) or priority (the request's 'priority' field, "
                                 "lower first, then arrival; preemption takes the lowest priority first)"),
