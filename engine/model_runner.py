@@ -27,7 +27,7 @@ from kvserve.engine.model.packed_linear import FEW_ROWS_MAX, NARROW_ROWS_MAX
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
-from kvserve.engine.sampling.sampler import Sampler, SamplingBatch
+from kvserve.engine.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 from kvserve.engine.spec_decode.verification import num_kept
 from kvserve.engine.structured_output.token_mask import TokenMask, apply_token_mask
 from kvserve.kernels import AttentionBackend, AttentionMetadata, KVCache
@@ -111,20 +111,32 @@ class ModelRunner:
         sampling = [state for state in states if state.samples]
         if not sampling:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], logprobs=[], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        if token_mask is not None:
-            logits = apply_token_mask(logits, token_mask)
-        if not any(state.spec_token_ids for state in sampling):
-            batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_ids,
-                                                 self.device)
-            sampled = self.sampler(logits, batch)
-            return ModelRunnerOutput(
-                request_ids=[state.request_id for state in sampling],
-                sampled_token_ids=[[token_id] for token_id in sampled.token_ids],
-                logprobs=[None if entry is None else [entry] for entry in sampled.logprobs],
-                prompt_logprobs=prompt_logprobs,
-            )
-        return self._verify(sampling, logits, prompt_logprobs)
+        rows = hidden[inputs.logits_indices]
+        if any(state.spec_token_ids for state in sampling):
+            return self._verify(sampling, self._logits(rows, token_mask), prompt_logprobs)
+        batch = SamplingBatch.from_requests(sampling, self.model_config.vocab_size, self.eos_token_ids, self.device)
+        sampled = self._greedy_without_logits(rows, batch) if token_mask is None else None
+        if sampled is None:
+            sampled = self.sampler(self._logits(rows, token_mask), batch)
+        return ModelRunnerOutput(
+            request_ids=[state.request_id for state in sampling],
+            sampled_token_ids=[[token_id] for token_id in sampled.token_ids],
+            logprobs=[None if entry is None else [entry] for entry in sampled.logprobs],
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _logits(self, rows: torch.Tensor, token_mask: TokenMask | None) -> torch.Tensor:
+        logits = self.model.compute_logits(rows)
+        return logits if token_mask is None else apply_token_mask(logits, token_mask)
+
+    def _greedy_without_logits(self, rows: torch.Tensor, batch: SamplingBatch) -> SamplerOutput | None:
+        """A plain greedy batch's tokens straight from the model's head (protocol.py's optional
+        greedy_tokens: the [rows, vocab] logits are never written), or None."""
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if not batch.is_plain_greedy or greedy_tokens is None:
+            return None
+        tokens = greedy_tokens(rows)
+        return None if tokens is None else SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * batch.num_rows)
 
     def _verify(self, sampling: list[CachedRequestState], logits: torch.Tensor,
                 prompt_logprobs: dict) -> ModelRunnerOutput:

@@ -13,6 +13,11 @@ torch.ops.kvserve_bf16.bf16_row_argmax(logits [rows, vocab] bf16) -> [rows] int6
 argmax of the lm_head's bf16 logits, read once at memory speed (torch widens bf16 element by
 element: 64 x 49152 logits, 2 threads, 173 us against 687 us for the sampler's chunked amax).
 
+torch.ops.kvserve_bf16.bf16_linear_argmax(x [..., K] bf16, packed, N) -> [rows] int64: greedy
+sampling straight from the lm_head: each row's argmax of the bf16 logits bf16_linear would return
+(same rounding, argmax's rules), without writing them (at 64 rows x 49,152 the logits are 6 MB,
+written and read back on top of the 56 MB of weights the lm_head streams).
+
 torch.ops.kvserve_bf16.silu_mul(gate_up [..., 2I] bf16) -> [..., I] bf16: the gated MLP's
 silu(gate) * up, bit for bit what the compiled forward's own kernel makes, with the fp32 silu of
 each of bf16's 65,536 gate values looked up instead of computed (SmolLM2's 1,536-wide MLP, 2
@@ -100,6 +105,12 @@ def bf16_row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of contiguous [rows, vocab] bf16 CPU logits, by argmax's rules (the first
     maximum; a NaN counts as the maximum). Only call after `bf16_gemm_available()` returned True."""
     return torch.ops.kvserve_bf16.bf16_row_argmax(logits)
+
+
+def bf16_linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """bf16_row_argmax(bf16_linear(x, packed, None, out_features)) over x's rows, without the
+    logits where AMX computes them (above 4 rows). Only call after `bf16_gemm_available()` returned True."""
+    return torch.ops.kvserve_bf16.bf16_linear_argmax(x, packed, out_features)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch import nn
 
 from kvserve.engine.model.decoder_stack import check_step_inputs
 from kvserve.engine.model.model_config import ModelConfig
+from kvserve.engine.model.packed_linear import PackedLinear
 from kvserve.engine.model.parallel_layers import lm_head, vocab_embedding
 from kvserve.engine.model.tensor_parallel import SINGLE, TensorParallel
 from kvserve.kernels import AttentionMetadata, KVCache
@@ -97,6 +98,13 @@ class DecoderLM(nn.Module):
         the batches that need it)."""
         logits = self.lm_head(hidden)
         return logits if self.final_logit_soft_cap is None else soft_cap(logits, self.final_logit_soft_cap)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of compute_logits(hidden) where the lm_head gives it without the
+        logits (PackedLinear.greedy_tokens); None elsewhere (a soft cap, another head)."""
+        if self.final_logit_soft_cap is not None or not isinstance(self.lm_head, PackedLinear):
+            return None
+        return self.lm_head.greedy_tokens(hidden)
 
 
 class PreNormBlock(nn.Module):

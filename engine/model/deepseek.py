@@ -24,6 +24,7 @@ from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.model.model_errors import ModelConfigError
 from kvserve.engine.model.model_family import CheckpointLayout, GGUFTensor, ModelFamily, Split, WeightTarget
 from kvserve.engine.model.moe import MoE
+from kvserve.engine.model.packed_linear import PackedLinear
 from kvserve.engine.model.protocol import Rope
 from kvserve.engine.model.rms_norm import RMSNorm
 from kvserve.engine.model.rope import RotaryEmbedding
@@ -84,6 +85,10 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden)'s argmax per row where the lm_head gives it without the logits."""
+        return self.lm_head.greedy_tokens(hidden) if isinstance(self.lm_head, PackedLinear) else None
 
 
 # ---------------------------------------------------------------------------- checkpoint layout

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels.cpu_bf16_gemm import (bf16_gemm_available, bf16_linear, bf16_matrix_tiles, native_bf16_arithmetic,
-                                           pack_bf16)
+from kvserve.kernels.cpu_bf16_gemm import (bf16_gemm_available, bf16_linear, bf16_linear_argmax, bf16_matrix_tiles,
+                                           native_bf16_arithmetic, pack_bf16)
 
 PACKABLE_DTYPES = (torch.bfloat16,)
 # Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (quiet machine,
@@ -152,6 +152,15 @@ class PackedLinear(nn.Module):
                                                  or x.numel() <= self.few_rows_max * self.in_features):
             return bf16_linear(x, self.few_rows_weight, self.bias, self.out_features)
         return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+
+    def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of forward(x) (argmax's rules), computed without the [rows, N] output
+        where kvserve's kernel serves these rows (an lm_head's logits are never written: greedy
+        sampling needs only the argmax); None where forward would take another path or add a bias."""
+        if (self.few_rows_weight is None or self.bias is not None
+                or (self.packed_weight is not None and x.numel() > self.few_rows_max * self.in_features)):
+            return None
+        return bf16_linear_argmax(x, self.few_rows_weight, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -3,6 +3,9 @@
     model(input_ids, positions, kv_caches, attn_metadata, attention) -> hidden [T, hidden]
         (one KV cache and one attention metadata per layer: its layer group's)
     model.compute_logits(hidden [N, hidden]) -> logits [N, vocab]   (model dtype)
+    model.greedy_tokens(hidden [N, hidden]) (optional) -> [N] int64 or None: each row's argmax of
+        compute_logits(hidden), where the model's head gives it without the logits (None: it cannot;
+        the runner then samples from compute_logits)
     model.layers: nn.ModuleList; each called as layer(x, rope, kv_cache, meta, attention)
     model.dtype: the dtype of its hidden states (and of the rope tables it passes the layers)
     model.compiles (optional, default True): False for a model the compiled forward cannot run

@@ -233,9 +233,24 @@ void store_tile_rows(const float* sums, int rows, const BF16* bias, BF16* out, i
   }
 }
 
-// `width` (1-4) tiles from tile t0 for `rows` rows (the configured ones) into out.
+// What a tile's sums become: `epilogue(sums, rows, row0, c0, n)` gets the fp32 sums of rows
+// row0.. and channels c0.. (rows x 16, as _tile_stored wrote them). A linear layer stores them as
+// bf16 rows (StoreRows); greedy sampling keeps only each row's argmax (ArgmaxLanes, below).
+// `for_thread()` gives the epilogue a thread uses: a thread's own state where it keeps any.
+struct StoreRows {
+  const BF16* bias;
+  BF16* out;
+  int64_t ldo;
+  StoreRows& for_thread() { return *this; }
+  void operator()(const float* sums, int rows, int64_t row0, int64_t c0, int64_t n) const {
+    store_tile_rows(sums, rows, bias, out + row0 * ldo, ldo, c0, n);
+  }
+};
+
+// `width` (1-4) tiles from tile t0 for `rows` rows (the configured ones) into the epilogue.
+template <typename Epilogue>
 void amx_pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64_t ldx, int rows, int width,
-              const BF16* bias, BF16* out, int64_t ldo, int64_t n0, int64_t n, float* scratch) {
+              Epilogue& epilogue, int64_t n0, int64_t n, float* scratch) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -265,7 +280,7 @@ void amx_pass(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, i
   if (width > 1) _tile_stored(1, scratch + 256, 64);
   if (width > 2) _tile_stored(2, scratch + 512, 64);
   if (width > 3) _tile_stored(3, scratch + 768, 64);
-  for (int t = 0; t < width; ++t) store_tile_rows(scratch + t * 256, rows, bias, out, ldo, n0 + t * kTile, n);
+  for (int t = 0; t < width; ++t) epilogue(scratch + t * 256, rows, 0, n0 + t * kTile, n);
 }
 
 // Above 16 rows: blocks of 32 rows x 32 channels, the C sums in tiles 0-3 (rows ra of the first
@@ -283,9 +298,10 @@ TileConfig tile_config_2x2(int ra, int rb) {
   return c;
 }
 
-// One 32-row x 32-channel block (rb == 0: 16 rows or fewer; width 1: one channel tile).
+// One 32-row x 32-channel block from row r0 (rb == 0: 16 rows or fewer; width 1: one channel tile).
+template <typename Epilogue>
 void amx_block_2x2(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16* x, int64_t ldx, int ra, int rb,
-                   int width, const BF16* bias, BF16* out, int64_t ldo, int64_t n0, int64_t n, float* scratch) {
+                   int width, Epilogue& epilogue, int64_t r0, int64_t n0, int64_t n, float* scratch) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -310,17 +326,17 @@ void amx_block_2x2(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16*
   }
   // scratch: [4 tiles][16 rows][16] fp32
   _tile_stored(0, scratch, 64);
-  store_tile_rows(scratch, ra, bias, out, ldo, n0, n);
+  epilogue(scratch, ra, r0, n0, n);
   if (width > 1) {
     _tile_stored(1, scratch + 256, 64);
-    store_tile_rows(scratch + 256, ra, bias, out, ldo, n0 + kTile, n);
+    epilogue(scratch + 256, ra, r0, n0 + kTile, n);
   }
   if (rb > 0) {
     _tile_stored(2, scratch + 512, 64);
-    store_tile_rows(scratch + 512, rb, bias, out + 16 * ldo, ldo, n0, n);
+    epilogue(scratch + 512, rb, r0 + 16, n0, n);
     if (width > 1) {
       _tile_stored(3, scratch + 768, 64);
-      store_tile_rows(scratch + 768, rb, bias, out + 16 * ldo, ldo, n0 + kTile, n);
+      epilogue(scratch + 768, rb, r0 + 16, n0 + kTile, n);
     }
   }
 }
@@ -329,24 +345,28 @@ void amx_block_2x2(const BF16* w, int64_t tile_elems, int64_t pairs, const BF16*
 // 1536) stays in L2 while every channel pair of the thread's share passes over it.
 constexpr int64_t kRowChunk = 256;
 
-void amx_gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, const BF16* bias,
-              BF16* out, int64_t n) {
+// n: the real channels (tiles x 16 or fewer).
+template <typename Epilogue>
+void amx_gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, Epilogue& shared,
+              int64_t n) {
   const int64_t tile_elems = pairs * 2 * kTile;
   if (m <= kAmxRows) {
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      auto& epilogue = shared.for_thread();
       alignas(64) float scratch[4 * 256];
       const TileConfig config = tile_config(static_cast<int>(m));
       _tile_loadconfig(&config);
       for (int64_t t0 = begin; t0 < end; t0 += 4) {
         const int width = static_cast<int>(std::min<int64_t>(4, end - t0));
-        amx_pass(w + t0 * tile_elems, tile_elems, pairs, x, ldx, static_cast<int>(m), width, bias, out, n,
-                 t0 * kTile, n, scratch);
+        amx_pass(w + t0 * tile_elems, tile_elems, pairs, x, ldx, static_cast<int>(m), width, epilogue, t0 * kTile,
+                 n, scratch);
       }
       _tile_release();
     });
     return;
   }
   at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
+    auto& epilogue = shared.for_thread();
     alignas(64) float scratch[4 * 256];
     int configured_ra = -1, configured_rb = -1;
     for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
@@ -365,8 +385,8 @@ void amx_gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tile
             configured_ra = ra;
             configured_rb = rb;
           }
-          amx_block_2x2(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, ra, rb, width, bias,
-                        out + r0 * n, n, t0 * kTile, n, scratch);
+          amx_block_2x2(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, ra, rb, width, epilogue, r0,
+                        t0 * kTile, n, scratch);
         }
       }
     }
@@ -404,7 +424,8 @@ void gemm(const at::Tensor& rows, const BF16* w, int64_t tiles, int64_t pairs, c
   const BF16* b = bias.defined() ? bias.data_ptr<BF16>() : nullptr;
 #ifdef __AMX_BF16__
   if (m > kVectorMaxRows && pairs % 16 == 0 && amx_usable()) {
-    amx_gemm(rows.data_ptr<BF16>(), m, rows.size(1), w, tiles, pairs, b, out.data_ptr<BF16>(), n);
+    StoreRows store{b, out.data_ptr<BF16>(), n};
+    amx_gemm(rows.data_ptr<BF16>(), m, rows.size(1), w, tiles, pairs, store, n);
     return;
   }
 #endif
@@ -423,8 +444,8 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
   return shape;
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
+// x's rows [M, K + K % 2] (the packed weights' zero column padded in), checked against the weights.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(), "bf16 linear: tensors must be on the CPU");
   TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
                     "bf16 linear: x and the packed weights must be bfloat16, got ", x.scalar_type(), " and ",
@@ -438,6 +459,13 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
                     "bf16 linear: out_features ", out_features, " does not fit ", tiles, " tiles of ", kTile);
   at::Tensor rows = x.reshape({-1, k}).contiguous();
   if (k % 2 == 1) rows = at::constant_pad_nd(rows, {0, 1});  // the packed weights' zero column
+  return rows;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  const at::Tensor rows = linear_rows(x, packed, out_features);
+  const int64_t tiles = packed.size(0), pairs = packed.size(1);
   at::Tensor out = at::empty({rows.size(0), out_features}, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -518,6 +546,100 @@ at::Tensor bf16_row_argmax(const at::Tensor& logits) {
 
 at::Tensor bf16_row_argmax_meta(const at::Tensor& logits) {
   return at::empty_symint({logits.sym_size(0)}, logits.options().dtype(at::kLong));
+}
+
+// ---- greedy sampling straight from the lm_head's sums ---------------------------------------
+// Each row's argmax of the bf16 logits bf16_linear would return, without them: at 64 rows x 49,152
+// the logits are 6 MB, written (each line read for ownership first) and then read back by the
+// argmax, ~25% on top of the 56 MB of weights the lm_head streams. The sums are rounded to bf16
+// exactly as the linear rounds them, so the answer is bf16_row_argmax(bf16_linear(...)) (argmax's
+// rules: the first maximum, the first NaN, 0 for a row of -inf).
+#ifdef __AMX_BF16__
+// Per thread: 16 lanes of running maxima per row and the first column of each (a later equal
+// value replaces it only from a smaller column: a thread's chunks need not come in order).
+struct ArgmaxLanes {
+  static constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+  std::vector<float> best;         // [rows][16]
+  std::vector<int32_t> column;     // [rows][16]; kNone: the lane has seen only -inf
+  std::vector<int64_t> first_nan;  // [rows]; -1: none
+  explicit ArgmaxLanes(int64_t rows)
+      : best(rows * kTile, -std::numeric_limits<float>::infinity()), column(rows * kTile, kNone),
+        first_nan(rows, -1) {}
+
+  void operator()(const float* sums, int rows, int64_t row0, int64_t c0, int64_t n) {
+    if (c0 >= n) return;
+    const __mmask16 mask = channel_mask(c0, n);
+    const __m512i columns = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row = row0 + r;
+      const __m256i rounded = to_bf16(_mm512_loadu_ps(sums + r * kTile));  // as store_row rounds
+      const __m512 logit = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+      float* best_row = best.data() + row * kTile;
+      const __m512 current = _mm512_loadu_ps(best_row);
+      // Most tiles hold no lane's new maximum: one compare (>= or NaN) rules them out.
+      if (!_mm512_mask_cmp_ps_mask(mask, logit, current, _CMP_NLT_UQ)) continue;
+      const __mmask16 nan = _mm512_mask_cmp_ps_mask(mask, logit, logit, _CMP_UNORD_Q);
+      if (nan) {
+        const int64_t first = c0 + __builtin_ctz(nan);
+        if (first_nan[row] < 0 || first < first_nan[row]) first_nan[row] = first;
+      }
+      int32_t* column_row = column.data() + row * kTile;
+      const __mmask16 earlier = _mm512_mask_cmplt_epi32_mask(
+          _mm512_mask_cmp_ps_mask(mask, logit, current, _CMP_EQ_OQ), columns, _mm512_loadu_si512(column_row));
+      const __mmask16 better = _mm512_mask_cmp_ps_mask(mask, logit, current, _CMP_GT_OQ) | earlier;
+      _mm512_mask_storeu_ps(best_row, better, logit);
+      _mm512_mask_storeu_epi32(column_row, better, columns);
+    }
+  }
+};
+
+// One ArgmaxLanes per thread of the pool, each thread taking its own.
+struct ArgmaxEpilogue {
+  std::vector<ArgmaxLanes> threads;
+  ArgmaxEpilogue(int64_t rows, int num_threads) : threads(num_threads, ArgmaxLanes(rows)) {}
+  ArgmaxLanes& for_thread() { return threads[at::get_thread_num()]; }
+
+  // Lanes and threads merged: the largest value, the smallest column among its equals.
+  int64_t row_argmax(int64_t row) const {
+    int64_t nan = -1, best_column = -1;
+    float best = 0;
+    for (const ArgmaxLanes& lanes : threads) {
+      if (lanes.first_nan[row] >= 0 && (nan < 0 || lanes.first_nan[row] < nan)) nan = lanes.first_nan[row];
+      for (int lane = 0; lane < kTile; ++lane) {
+        const int32_t column = lanes.column[row * kTile + lane];
+        if (column == ArgmaxLanes::kNone) continue;
+        const float value = lanes.best[row * kTile + lane];
+        if (best_column < 0 || value > best || (value == best && column < best_column)) {
+          best = value;
+          best_column = column;
+        }
+      }
+    }
+    return nan >= 0 ? nan : std::max<int64_t>(best_column, 0);
+  }
+};
+#endif
+
+at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  const at::Tensor rows = linear_rows(x, packed, out_features);
+  const int64_t m = rows.size(0), tiles = packed.size(0), pairs = packed.size(1);
+#if defined(__AVX512BF16__) && defined(__AMX_BF16__)
+  if (m > kVectorMaxRows && pairs % 16 == 0 && amx_usable()) {
+    ArgmaxEpilogue argmax(m, at::get_num_threads());
+    amx_gemm(rows.data_ptr<BF16>(), m, rows.size(1), packed.data_ptr<BF16>(), tiles, pairs, argmax, out_features);
+    at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+    int64_t* result = out.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; ++r) result[r] = argmax.row_argmax(r);
+    return out;
+  }
+#endif
+  // A few rows (their logits stay in cache) or no AMX: the logits, then their argmax.
+  return bf16_row_argmax(bf16_linear(rows, packed, c10::nullopt, out_features));
+}
+
+at::Tensor bf16_linear_argmax_meta(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  return at::empty_symint({x.sym_numel() / x.sym_size(-1)}, x.options().dtype(at::kLong));
 }
 
 // ---- the gated MLP's activation: silu(gate) * up -------------------------------------------
@@ -756,6 +878,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
 TORCH_LIBRARY(kvserve_bf16, m) {
   m.def("bf16_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
   m.def("bf16_row_argmax(Tensor logits) -> Tensor");
+  m.def("bf16_linear_argmax(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv_weights, "
         "Tensor[] o_weights, Tensor[] post_norms, Tensor[] gate_up_weights, Tensor[] down_weights, "
@@ -767,6 +890,7 @@ TORCH_LIBRARY(kvserve_bf16, m) {
 TORCH_LIBRARY_IMPL(kvserve_bf16, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("bf16_row_argmax", &bf16_row_argmax);
+  m.impl("bf16_linear_argmax", &bf16_linear_argmax);
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layers", &decoder_layers);
 }
@@ -774,5 +898,6 @@ TORCH_LIBRARY_IMPL(kvserve_bf16, CPU, m) {
 TORCH_LIBRARY_IMPL(kvserve_bf16, Meta, m) {
   m.impl("bf16_linear", &bf16_linear_meta);
   m.impl("bf16_row_argmax", &bf16_row_argmax_meta);
+  m.impl("bf16_linear_argmax", &bf16_linear_argmax_meta);
   m.impl("silu_mul", &silu_mul_meta);
 }

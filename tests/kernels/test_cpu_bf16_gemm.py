@@ -4,7 +4,9 @@ the AMX paths' row blocks (16, 17, 31-33, 64, 100, 128, 257 and 300: past a 256-
 without bias; the build for AVX-512 CPUs without BF16 (its own route: pairs widened to fp32, its own
 rounding) does the same where this CPU has BF16 too; it stays one node under torch.compile; where the CPU lacks the
 instructions or the build fails, one log line and False, never an exception. The row argmax follows
-argmax's rules; silu_mul is the compiled forward's silu(gate) * up bit for bit."""
+argmax's rules, and the linear's argmax without its output is that of its output (ties, NaN, +-inf,
+bf16 rounding, partial tiles, channels over threads); silu_mul is the compiled forward's silu(gate) * up
+bit for bit."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu_kernel_build
-from kvserve.kernels.cpu_bf16_gemm import (SOURCE, bf16_gemm_available, bf16_linear, bf16_row_argmax, load_bf16_gemm, pack_bf16,
-                                           silu_mul, unpack_bf16)
+from kvserve.kernels.cpu_bf16_gemm import (SOURCE, bf16_gemm_available, bf16_linear, bf16_linear_argmax, bf16_row_argmax,
+                                           load_bf16_gemm, pack_bf16, silu_mul, unpack_bf16)
 
 REPO = Path(__file__).resolve().parents[2]
 needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 or no C++ compiler here")
@@ -189,6 +191,52 @@ def test_row_argmax_follows_argmax_rules(vocab: int) -> None:
     assert bf16_row_argmax(half[:0]).tolist() == []
     many = torch.randn(67, vocab, generator=generator).bfloat16()  # rows split over threads
     assert torch.equal(bf16_row_argmax(many), many.argmax(dim=-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(49152, 576), (17, 64), (48, 64), (40, 33), (1000, 63)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 33, 64, 100, 300])
+def test_linear_argmax_is_the_argmax_of_the_linears_output(n: int, k: int, rows: int) -> None:
+    weight, x, _ = _case(n, k, rows, bias=False)
+    packed = pack_bf16(weight)
+    expected = bf16_linear(x, packed, None, n).argmax(dim=-1)
+    assert torch.equal(bf16_linear_argmax(x, packed, n), expected)
+    assert torch.equal(bf16_linear_argmax(x.view(rows, 1, k), packed, n), expected)  # rows of any leading shape
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [8, 40])
+def test_linear_argmax_follows_argmax_rules(rows: int) -> None:
+    """One-hot rows read one weight column each (logits[r, c] = weight[c, j]); a few rows are set
+    by hand. 4,099 channels: a partial last tile, and both threads' shares."""
+    n, k = 4099, 64
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=generator) * 0.01
+    x = torch.zeros(rows, k)
+    x[torch.arange(rows), 16 + torch.arange(rows) % 48] = 1.0
+    weight[[3, 4000], 16] = 5.0  # row 0: a tie far apart -> the first
+    weight[4098, 17] = 7.0  # row 1: the last channel
+    x[2] = 0.0  # row 2: all zeros -> 0
+    x[3], x[3, 0], weight[:, 0] = 0.0, float("-inf"), 1.0  # row 3: all -inf -> 0
+    x[4], x[4, 1], weight[:, 1] = 0.0, float("inf"), -1.0  # row 4: -inf but +inf at 77
+    weight[77, 1] = 1.0
+    x[5], x[5, 2] = 0.0, float("nan")  # row 5: all NaN -> 0
+    # row 6: 1 + 2^-9 rounds to bf16's 1.0, a tie with channel 100's exact 1.0 -> 100
+    x[6], x[6, 3], x[6, 4] = 0.0, 1.0, 2.0**-9
+    weight[:, 3:5] = 0.0
+    weight[100, 3] = weight[2000, 3] = weight[2000, 4] = 1.0
+    weight, x = weight.to(torch.bfloat16), x.to(torch.bfloat16)
+    packed = pack_bf16(weight)
+    expected = bf16_linear(x, packed, None, n).argmax(dim=-1)
+    assert expected[:7].tolist() == [3, 4098, 0, 0, 77, 0, 100]
+    assert torch.equal(bf16_linear_argmax(x, packed, n), expected)
+    # A NaN channel every row reads (0 x NaN is NaN too), after larger values: the first NaN wins.
+    weight[2500, 20] = float("nan")
+    random_rows = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    packed = pack_bf16(weight)
+    expected = bf16_linear(random_rows, packed, None, n).argmax(dim=-1)
+    assert set(expected.tolist()) == {2500}
+    assert torch.equal(bf16_linear_argmax(random_rows, packed, n), expected)
 
 
 @needs_kernel
