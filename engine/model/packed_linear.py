@@ -147,9 +147,13 @@ class PackedLinear(nn.Module):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return cls(packed, bias, linear.in_features, linear.out_features, few_rows_weight)
 
+    def _kernel_serves(self, x: torch.Tensor) -> bool:
+        """Whether kvserve's bf16 kernel computes these rows (else oneDNN's packed matmul)."""
+        return self.few_rows_weight is not None and (self.packed_weight is None
+                                                     or x.numel() <= self.few_rows_max * self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows_weight is not None and (self.packed_weight is None
-                                                 or x.numel() <= self.few_rows_max * self.in_features):
+        if self._kernel_serves(x):
             return bf16_linear(x, self.few_rows_weight, self.bias, self.out_features)
         return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
@@ -157,8 +161,7 @@ class PackedLinear(nn.Module):
         """Each row's argmax of forward(x) (argmax's rules), computed without the [rows, N] output
         where kvserve's kernel serves these rows (an lm_head's logits are never written: greedy
         sampling needs only the argmax); None where forward would take another path or add a bias."""
-        if (self.few_rows_weight is None or self.bias is not None
-                or (self.packed_weight is not None and x.numel() > self.few_rows_max * self.in_features)):
+        if self.bias is not None or not self._kernel_serves(x):
             return None
         return bf16_linear_argmax(x, self.few_rows_weight, self.out_features)
 
