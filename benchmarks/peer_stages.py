@@ -104,13 +104,14 @@ def offline_runs(systems: Sequence[OfflineSystem], repeats: int, out_dir: Path,
 
 def online_runs(servers: Sequence[Server], dataset: Path, streams: Sequence[int], prompts_at: Mapping[int, int],
                 repeats: int, out_dir: Path, timeout_s: float) -> tuple[list[StageResult], list[dict[str, Any]]]:
-    """At each stream count, every server in turn, `repeats` rounds; `prompts_at[n]`: requests per run."""
+    """At each stream count, every server in turn, `repeats` rounds; `prompts_at[n]`: requests per run,
+    each after a discarded warm-up burst of `n` requests at once (BenchRun.warmups says why)."""
     stages, runs = [], []
     for n in streams:
         for round_, server in alternate(servers, repeats):
             filename = f"online-{server.kind}-c{n}-r{round_ + 1}.json"
             run = BenchRun(server.base_url, dataset, prompts_at[n], out_dir, filename, max_concurrency=n,
-                           duration_s=timeout_s - 30, extra_body=server.extra_body)
+                           duration_s=timeout_s - 30, extra_body=server.extra_body, warmups=n)
             stage = run_stage(f"online: {server.system}, {n} streams (round {round_ + 1})", bench_argv(run), timeout_s,
                               out_dir / "logs" / filename.replace(".json", ".log"))
             stages.append(stage)

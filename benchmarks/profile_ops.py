@@ -12,6 +12,7 @@ KVSERVE_ATTENTION_OP_PREFIXES = ("kvserve::", "kvserve_cpu::")
 KVSERVE_LINEAR_OPS = frozenset({"kvserve_linear::packed_linear", "mkldnn::_linear_pointwise", "aten::linear", "aten::mm",
                                 "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
                                 "aten::_weight_int4pack_mm_for_cpu", "kvserve_bf16::bf16_linear",
+                                "kvserve_bf16::bf16_linear_argmax",  # the greedy lm_head: a linear layer too
                                 "kvserve_quant::int4_gemm", "kvserve_quant::int8_gemm"})
 
 

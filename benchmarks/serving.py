@@ -262,10 +262,18 @@ class BenchRun:
     duration_s: float = 900.0  # kvserve-bench's own hard cap on each measured run
     request_timeout_s: float = 600.0
     extra_body: str = ""  # JSON merged into each request body
+    # Requests sent at once and discarded before measuring (kvserve-bench --num-warmups). The
+    # online comparisons warm each server with a full burst at the measured concurrency: a server's
+    # first burst after another process started beside it runs slow on some machines (measured:
+    # kvserve's round 1 at 64 streams after vLLM's start-up, 1.4-2.1 s mean TTFT vs 0.7-0.9 s in the
+    # next; fresh pages faulted in, which one server or the other pays depending on start order).
+    warmups: int = 1
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.warmups < 0:
+            raise ValueError(f"warmups must be >= 0, got {self.warmups}")
 
 
 def bench_argv(run: BenchRun) -> list[str]:
@@ -274,7 +282,7 @@ def bench_argv(run: BenchRun) -> list[str]:
         "--dataset-path", str(run.dataset_path), "--num-prompts", str(run.num_prompts), "--ignore-eos",
         "--seed", "0", "--duration", f"{run.duration_s:g}", "--request-timeout", f"{run.request_timeout_s:g}",
         "--disable-tqdm", "--save-result", "--result-dir", str(run.result_dir),
-        "--result-filename", run.result_filename,
+        "--result-filename", run.result_filename, "--num-warmups", str(run.warmups),
     ]
     argv += ["--request-rate-sweep", run.sweep_rates] if run.sweep_rates else ["--request-rate", run.request_rate]
     if run.max_concurrency is not None:

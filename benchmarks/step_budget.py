@@ -60,7 +60,12 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--warmups", type=int, default=1,
+                   help="discarded bursts sent to each server before the measured rounds: a fresh server's "
+                        "first burst pays page faults and kernel set-up that later ones do not")
     args = p.parse_args()
+    if args.warmups < 0:
+        p.error("--warmups must be >= 0")
     items = fixed_workload(args.num_requests)
     options = KvserveServerOptions(dtype=args.dtype, max_num_seqs=max(64, args.streams), num_kv_blocks=kv_blocks(items))
     figures: dict[int, list[BurstFigures]] = {budget: [] for budget in args.budgets}
@@ -70,6 +75,9 @@ def main() -> int:
             port = free_port()
             argv = kvserve_serve_argv(port, options) + ["--max-num-batched-tokens", str(budget)]
             urls[budget] = stack.enter_context(ServerProcess(argv, port, Path("/tmp") / f"step_budget_{port}.log"))
+        for _ in range(args.warmups):
+            for budget in args.budgets:
+                run_burst(urls[budget], items, args.streams)
         for round_ in range(args.rounds):
             for budget in args.budgets:
                 run = run_burst(urls[budget], items, args.streams)

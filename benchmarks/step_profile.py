@@ -96,8 +96,12 @@ def instrument(llm: LLM) -> Timers:
     engine = llm.engine
     runner = engine.executor.driver.runner
     # Hooks only on modules that run eagerly: the model itself (its layers are what is compiled)
-    # and lm_head, which compute_logits calls outside the forward.
-    timers.hook(runner.model.lm_head, "lm_head")
+    # and lm_head, which compute_logits calls outside the forward. A plain greedy step skips the
+    # module call: the runner asks the head for the argmax (PackedLinear.greedy_tokens), timed alike.
+    head = runner.model.lm_head
+    timers.hook(head, "lm_head")
+    if callable(getattr(head, "greedy_tokens", None)):
+        head.greedy_tokens = timers.wrap(head.greedy_tokens, "lm_head")
     timers.hook(runner.model, "forward")
     runner.prepare_inputs = timers.wrap(runner.prepare_inputs, "input prep")
     runner.sampler = _TimedSampler(runner.sampler, timers.wrap(runner.sampler, "sampler"))

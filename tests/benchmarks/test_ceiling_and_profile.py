@@ -59,3 +59,10 @@ def test_profiled_ops_count_the_outermost_op_of_each_category_once() -> None:
     seconds = profiled_op_seconds(events)
     assert seconds["linear"] == pytest.approx(130e-6)
     assert seconds["attention"] == pytest.approx(320e-6)
+
+
+def test_the_greedy_heads_fused_argmax_counts_as_a_linear_layer() -> None:
+    # The runner's plain-greedy path calls the lm_head's matmul+argmax op outside the forward.
+    seconds = profiled_op_seconds([_Event("kvserve_bf16::bf16_linear_argmax", 70.0),
+                                   _Event("kvserve_bf16::bf16_linear", 30.0, _Event("kvserve_bf16::decoder_layers", 80.0))])
+    assert seconds["linear"] == pytest.approx(100e-6)

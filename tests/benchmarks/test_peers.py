@@ -50,6 +50,8 @@ def test_online_runs_alternate_at_each_stream_count(tmp_path: Path, monkeypatch:
     assert first_llama[first_llama.index("--max-concurrency") + 1] == "64"
     assert first_llama[first_llama.index("--extra-body") + 1] == '{"cache_prompt": false}'
     assert order[4][1][order[4][1].index("--num-prompts") + 1] == "16"
+    # every measured run is warmed by a discarded burst at its own concurrency
+    assert [argv[argv.index("--num-warmups") + 1] for _, argv in order] == ["64"] * 4 + ["1"] * 4
     assert [(r["kind"], r["streams"], r["round"]) for r in runs][:2] == [("kvserve", 64, 1), ("llama.cpp", 64, 1)]
     assert all(s.ok for s in stages) and len(runs) == 8
 

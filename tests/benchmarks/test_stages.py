@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from serving import BenchRun, KvserveServerOptions, bench_argv, kvserve_serve_argv
 from stages import run_stage
 
@@ -40,3 +42,6 @@ def test_server_and_bench_command_lines() -> None:
     argv = bench_argv(run)
     assert argv[argv.index("--request-rate-sweep") + 1] == "1,inf" and "--request-rate" not in argv
     assert "--ignore-eos" in argv and argv[argv.index("--num-prompts") + 1] == "32"
+    assert argv[argv.index("--num-warmups") + 1] == "1"
+    with pytest.raises(ValueError, match="warmups"):
+        BenchRun("http://127.0.0.1:8123", Path("w.jsonl"), 32, Path("out"), "s.json", warmups=-1)
