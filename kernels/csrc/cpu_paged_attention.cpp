@@ -32,9 +32,10 @@
 //
 // bf16 caches on CPUs with AMX take another route for tiles of <= 16 rows (decodes included): the
 // two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
-// There, chunks of 8 or more tokens (prompts, later chunks of one) take a route of their own:
-// tiles of 16 tokens of one query head against K/V packed once per work item in the tile layouts
-// (attend_prompt_amx); elsewhere fresh prompts of 64+ tokens go to torch's SDPA (kSdpaMinTokens).
+// bf16 chunks of 8 or more tokens (prompts, later chunks of one) take a route of their own
+// wherever AVX-512 BF16 is built: tiles of 16 tokens of one query head against K/V packed once per
+// work item in the tile layouts (attend_prompt), multiplied in AMX tiles, or where there are none in
+// vdpbf16ps; elsewhere fresh prompts of 64+ tokens go to torch's SDPA (kSdpaMinTokens).
 // Without AMX, a bf16 tile of one token's rows (a decode) with AVX-512 BF16 (AMD Zen 4 and later,
 // Cooper Lake) takes both products in vdpbf16ps on the cache's bf16 rows as they are
 // (chunk_rows_dot), instead of converting every K/V row to fp32 first. On AVX2 CPUs without
@@ -279,7 +280,7 @@ struct WorkItem {
   int32_t seq;
   int32_t tile;
   int32_t kv_head;
-  int32_t prompt;  // 1: a bf16 prompt chunk's item for AMX (attend_prompt_amx), tiles of kPromptTokens tokens
+  int32_t prompt;  // 1: a bf16 prompt chunk's item (attend_prompt), tiles of kPromptTokens tokens
 };
 
 struct Problem {
@@ -441,7 +442,47 @@ void prefetch_rows(const kv_t* rows, int64_t count, int64_t stride, int64_t head
 }
 
 constexpr int64_t kAmxMaxRows = 16;  // a tile's rows
-constexpr int64_t kPromptTokens = 64;  // an AMX prompt work item's query tokens (each of the group's heads)
+#ifdef __AVX512BF16__
+constexpr bool kPromptRoute = true;  // bf16 prompt chunks: attend_prompt
+#else
+constexpr bool kPromptRoute = false;
+#endif
+constexpr int64_t kPromptTokens = 64;  // a prompt work item's query tokens (each of the group's heads)
+
+#ifdef __AVX512BF16__
+// The prompt route's layouts (see "bf16 prompt chunks" below), the same with AMX tiles or vdpbf16ps.
+constexpr int64_t kPromptSegment = 512;   // keys per softmax step of a row tile
+// Row strides of the scores (floats) and weights (bf16) buffers: one cache line past the segment,
+// so a tile's 16 rows fall in different L1 sets (at a power-of-two stride they shared two).
+constexpr int64_t kScoresStride = kPromptSegment + 16, kWeightsStride = kPromptSegment + 32;
+constexpr int64_t kKeyGroup = 4 * kChunk;  // keys per S step: four key tiles, four independent accumulators
+
+// Per-thread buffers of the prompt route, sized by the first prompt item a thread takes.
+struct PromptScratch {
+  std::vector<Vec> k_packed;        // [key tiles][D / 32][16 element pairs][16 keys] of bf16 pairs
+  std::vector<Vec> v_packed;        // [key tiles / 2][D / 16][16 key pairs][16 elements] of bf16 pairs
+  std::vector<Vec> prompt_scores;   // [16 rows][kPromptSegment] fp32
+  std::vector<Vec> prompt_weights;  // [16 rows][kPromptSegment] bf16
+  std::vector<Vec> prompt_output;   // [16 rows][D] fp32: one segment's P x V
+  std::vector<Vec> prompt_acc;      // [16 rows][D] fp32: the running output
+  std::vector<Vec> query_padded;    // [16 rows][D] bf16: a last row tile of fewer than 16 tokens
+  // Room for a prompt item's packed K/V (`keys` a multiple of kKeyGroup) and its row tiles.
+  void prepare_prompt(int64_t keys, int64_t vectors) {
+    const int64_t tiles = keys / kChunk;
+    if (static_cast<int64_t>(k_packed.size()) < tiles * vectors / 2 * kChunk) {
+      k_packed.resize(tiles * vectors / 2 * kChunk);
+      v_packed.resize(tiles * vectors / 2 * kChunk);
+    }
+    if (prompt_scores.empty()) {
+      prompt_scores.resize(kAmxMaxRows * kScoresStride / kLanes);
+      prompt_weights.resize(kAmxMaxRows * kWeightsStride / (2 * kLanes));
+      prompt_output.resize(kAmxMaxRows * vectors);
+      prompt_acc.resize(kAmxMaxRows * vectors);
+      query_padded.resize(kAmxMaxRows * vectors / 2);
+    }
+  }
+};
+#endif
 
 #ifdef __AMX_BF16__
 // ---- bf16 caches through AMX ----------------------------------------------------------------
@@ -488,7 +529,7 @@ TileConfig tile_config(int64_t rows) {
   return c;
 }
 
-// The prompt route's shapes (attend_prompt_amx): all eight tiles 16 rows x 64 bytes.
+// The prompt route's tile shapes (TileProducts): all eight tiles 16 rows x 64 bytes.
 constexpr int64_t kPromptConfig = kAmxMaxRows + 1;  // AmxScratch::configure's key for them
 TileConfig prompt_tile_config() {
   TileConfig c;
@@ -498,12 +539,6 @@ TileConfig prompt_tile_config() {
   }
   return c;
 }
-constexpr int64_t kPromptSegment = 512;   // keys per softmax step of a row tile
-// Row strides of the scores (floats) and weights (bf16) buffers: one cache line past the segment,
-// so a tile's 16 rows fall in different L1 sets (at a power-of-two stride they shared two).
-constexpr int64_t kScoresStride = kPromptSegment + 16, kWeightsStride = kPromptSegment + 32;
-constexpr int64_t kKeyGroup = 4 * kChunk;  // keys per S step: four key tiles, four independent accumulators
-
 // Whether this process may use AMX: Linux hands out the tile state on request (once per process).
 bool amx_usable() {
   static const bool usable = [] {
@@ -522,7 +557,7 @@ struct AmxChunk {
 
 // Per-thread AMX scratch: loads the tile configuration for the rows in use (when they change)
 // and releases the tiles when the thread's work is done.
-struct AmxScratch {
+struct AmxScratch : PromptScratch {
   int64_t configured_rows = 0;
   std::vector<Vec> query_t;      // [D / 32][16 pairs][16 rows] of bf16 pairs: Q^T, a tile per 32 elements of D
   std::vector<Vec> keys;         // [16][D] bf16: a partial chunk's keys, zero-padded to 16 rows
@@ -533,14 +568,6 @@ struct AmxScratch {
   std::vector<Vec> output;       // [16 rows][D] fp32, tile order
   std::vector<float> correction;  // [16 rows]
   std::vector<AmxChunk> chunks;  // the segment being gathered
-  // The prompt route's buffers (attend_prompt_amx), sized by the first prompt item a thread takes.
-  std::vector<Vec> k_packed;        // [key tiles][D / 32][16 element pairs][16 keys] of bf16 pairs
-  std::vector<Vec> v_packed;        // [key tiles / 2][D / 16][16 key pairs][16 elements] of bf16 pairs
-  std::vector<Vec> prompt_scores;   // [16 rows][kPromptSegment] fp32
-  std::vector<Vec> prompt_weights;  // [16 rows][kPromptSegment] bf16
-  std::vector<Vec> prompt_output;   // [16 rows][D] fp32: one segment's P x V
-  std::vector<Vec> prompt_acc;      // [16 rows][D] fp32: the running output
-  std::vector<Vec> query_padded;    // [16 rows][D] bf16: a last row tile of fewer than 16 tokens
   explicit AmxScratch(int64_t vectors)
       : query_t(vectors / 2 * kChunk), keys(kChunk * vectors / 2), scores_t(kSegmentChunks * kChunk), scores(kSegmentChunks),
         weights(kSegmentChunks / 2 * kAmxMaxRows), value_pairs(4 * kChunk), output(kAmxMaxRows * vectors),
@@ -555,21 +582,6 @@ struct AmxScratch {
     const TileConfig config = rows == kPromptConfig ? prompt_tile_config() : tile_config(rows);
     _tile_loadconfig(&config);
     configured_rows = rows;
-  }
-  // Room for a prompt item's packed K/V (`keys` a multiple of kKeyGroup) and its row tiles.
-  void prepare_prompt(int64_t keys, int64_t vectors) {
-    const int64_t tiles = keys / kChunk;
-    if (static_cast<int64_t>(k_packed.size()) < tiles * vectors / 2 * kChunk) {
-      k_packed.resize(tiles * vectors / 2 * kChunk);
-      v_packed.resize(tiles * vectors / 2 * kChunk);
-    }
-    if (prompt_scores.empty()) {
-      prompt_scores.resize(kAmxMaxRows * kScoresStride / kLanes);
-      prompt_weights.resize(kAmxMaxRows * kWeightsStride / (2 * kLanes));
-      prompt_output.resize(kAmxMaxRows * vectors);
-      prompt_acc.resize(kAmxMaxRows * vectors);
-      query_padded.resize(kAmxMaxRows * vectors / 2);
-    }
   }
 };
 
@@ -700,7 +712,22 @@ void segment_amx(int64_t k_stride, int64_t v_stride, int64_t rows, int64_t first
   a.chunks.clear();
 }
 
-// ---- bf16 prompt chunks through AMX ---------------------------------------------------------
+#else
+constexpr bool kAmx = false;
+bool amx_usable() { return false; }
+#ifdef __AVX512BF16__
+struct AmxScratch : PromptScratch {  // the prompt route's buffers only: no tiles here
+  explicit AmxScratch(int64_t) {}
+};
+#else
+struct AmxScratch {
+  explicit AmxScratch(int64_t) {}
+};
+#endif
+#endif
+
+#ifdef __AVX512BF16__
+// ---- bf16 prompt chunks: AMX tiles, or vdpbf16ps where there are none -------------------------
 //
 // A prompt chunk has many tokens for each query head, so this route makes a tile of 16
 // consecutive tokens of ONE query head (loaded straight from the query, whose rows lie
@@ -717,6 +744,12 @@ void segment_amx(int64_t k_stride, int64_t v_stride, int64_t rows, int64_t first
 //     keys the row sees (the far side of the causal diagonal is never exponentiated)
 //   O[16 rows, D] = P x V, four output tiles at a time; the weights rounded to bf16 as in segment_amx
 // Chunks after earlier context work the same way (row r is at position context + its token).
+// Without AMX (AMD Zen 4 and later, Cooper Lake; or where Linux refuses the tile state) the two
+// products are the same tile operations spelled in vdpbf16ps (DotProducts), on the same packed
+// K/V and the same softmax: each instruction multiplies one row's broadcast bf16 pair with a
+// packed operand row's 16 pairs, which is what a tile multiply does for every row and pair.
+// Without it, such prompts went to torch's SDPA on gathered K/V: 2.2x vLLM's attention time in a
+// 2048-token prefill step on a 2-core Zen 4 (benchmarks/prefill_step.py).
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -764,7 +797,7 @@ inline void transpose16x16_epi32(__m512i* r) {
 
 // Packs keys [0, padded) of the item's sequence and KV head (those past `num_keys` zero, so
 // padding is finite: its scores are masked, its values meet weight 0).
-void pack_prompt_kv(const Problem& p, const WorkItem& item, int64_t num_keys, int64_t padded, AmxScratch& a) {
+void pack_prompt_kv(const Problem& p, const WorkItem& item, int64_t num_keys, int64_t padded, PromptScratch& a) {
   static const uint16_t kZeroRow[kLanes * kMaxVectors] = {};
   const int64_t D = p.head_dim, steps = D / 32, out_tiles = D / kLanes;
   const auto* key_cache = static_cast<const c10::BFloat16*>(p.key_cache);
@@ -812,11 +845,119 @@ void pack_prompt_kv(const Problem& p, const WorkItem& item, int64_t num_keys, in
   }
 }
 
+#ifdef __AMX_BF16__
+// The route's two products in tiles (the thread's tiles configured for them: kPromptConfig).
+struct TileProducts {
+  // S[16 rows, 64 keys] += Q x K^T: `k` the first of four packed key tiles, `scores` row stride kScoresStride.
+  static void scores(const c10::BFloat16* q, int64_t q_stride, int64_t /*rows*/, const Vec* k, int64_t steps, float* scores) {
+    const int64_t next_tile = steps * kChunk;  // Vecs from one key tile's packing to the next
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; ++s) {
+      _tile_loadd(4, q + 32 * s, q_stride);
+      _tile_loadd(5, k + s * kChunk, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, k + next_tile + s * kChunk, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, k + 2 * next_tile + s * kChunk, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, k + 3 * next_tile + s * kChunk, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, scores, kScoresStride * 4);
+    _tile_stored(1, scores + kChunk, kScoresStride * 4);
+    _tile_stored(2, scores + 2 * kChunk, kScoresStride * 4);
+    _tile_stored(3, scores + 3 * kChunk, kScoresStride * 4);
+  }
+  // O[16 rows, 64 elements] = P x V over `pair_blocks` blocks of 32 keys: `v` the first block's
+  // first packed tile (blocks NV * 16 Vecs apart), `out` row stride NV Vecs.
+  static void values(const c10::BFloat16* weights, int64_t /*rows*/, const Vec* v, int64_t NV, int64_t pair_blocks, Vec* out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < pair_blocks; ++b, v += NV * kChunk) {
+      _tile_loadd(4, weights + b * 2 * kChunk, kWeightsStride * 2);
+      _tile_loadd(5, v, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, v + kChunk, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, v + 2 * kChunk, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, v + 3 * kChunk, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, out, NV * 64);
+    _tile_stored(1, out + 1, NV * 64);
+    _tile_stored(2, out + 2, NV * 64);
+    _tile_stored(3, out + 3, NV * 64);
+  }
+};
+#endif
+
+// The same two products in vdpbf16ps, four rows at a time (16 accumulators in registers), only
+// over the row blocks that hold real rows: a tile multiply's C[r][n] += sum over pairs k of
+// A[r][k] . B[k][n] is, per row r and pair k, one vdpbf16ps of A[r][k] broadcast with B's row k.
+struct DotProducts {
+  static inline __m512 pair_of(const void* at) { return (__m512)_mm512_set1_epi32(*static_cast<const int32_t*>(at)); }
+  static void scores(const c10::BFloat16* q, int64_t q_stride, int64_t rows, const Vec* k, int64_t steps, float* scores) {
+    const int64_t next_tile = steps * kChunk;
+    const char* q_bytes = reinterpret_cast<const char*>(q);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      __m512 acc[4][4];
+      for (auto& row : acc) for (auto& v : row) v = _mm512_setzero_ps();
+      for (int64_t s = 0; s < steps; ++s) {
+        for (int64_t pair = 0; pair < kChunk; ++pair) {
+          const Vec* b = k + s * kChunk + pair;
+          const __m512bh b0 = (__m512bh)b[0], b1 = (__m512bh)b[next_tile], b2 = (__m512bh)b[2 * next_tile],
+                         b3 = (__m512bh)b[3 * next_tile];
+          for (int r = 0; r < 4; ++r) {
+            const __m512bh a = (__m512bh)pair_of(q_bytes + (r0 + r) * q_stride + (32 * s + 2 * pair) * 2);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+          }
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        for (int t = 0; t < 4; ++t) _mm512_storeu_ps(scores + (r0 + r) * kScoresStride + t * kChunk, acc[r][t]);
+      }
+    }
+  }
+  static void values(const c10::BFloat16* weights, int64_t rows, const Vec* v, int64_t NV, int64_t pair_blocks, Vec* out) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      __m512 acc[4][4];
+      for (auto& row : acc) for (auto& x : row) x = _mm512_setzero_ps();
+      const Vec* block = v;
+      for (int64_t b = 0; b < pair_blocks; ++b, block += NV * kChunk) {
+        for (int64_t pair = 0; pair < kChunk; ++pair) {
+          const __m512bh v0 = (__m512bh)block[pair], v1 = (__m512bh)block[kChunk + pair], v2 = (__m512bh)block[2 * kChunk + pair],
+                         v3 = (__m512bh)block[3 * kChunk + pair];
+          for (int r = 0; r < 4; ++r) {
+            const __m512bh w = (__m512bh)pair_of(weights + (r0 + r) * kWeightsStride + b * 2 * kChunk + 2 * pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, v0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, v1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w, v2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w, v3);
+          }
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        for (int t = 0; t < 4; ++t) _mm512_storeu_ps(reinterpret_cast<float*>(out + (r0 + r) * NV + t), acc[r][t]);
+      }
+    }
+  }
+};
+
 // One row tile: `rows` <= 16 tokens of one query head from `first_position` on (q: their query
 // rows, `q_stride` bytes apart, 16 readable), against the packed keys they see; writes the rows'
 // outputs to `out` (out_stride elements apart).
+template <typename Products>
 void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride, int64_t rows, int64_t first_position,
-                     c10::BFloat16* out, int64_t out_stride, AmxScratch& a) {
+                     c10::BFloat16* out, int64_t out_stride, PromptScratch& a) {
   const int64_t D = p.head_dim, NV = D / kLanes, steps = D / 32;
   const int64_t keys_seen = first_position + rows;  // the last row sees keys [0, keys_seen)
   const float minus_inf = -std::numeric_limits<float>::infinity();
@@ -834,26 +975,7 @@ void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride,
     const int64_t groups = (segment_keys + kKeyGroup - 1) / kKeyGroup;
     for (int64_t g = 0; g < groups; ++g) {  // S, 64 keys at a time
       const Vec* k = a.k_packed.data() + (s0 + g * kKeyGroup) / kChunk * steps * kChunk;
-      const int64_t next_tile = steps * kChunk;  // Vecs from one key tile's packing to the next
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t s = 0; s < steps; ++s) {
-        _tile_loadd(4, q + 32 * s, q_stride);
-        _tile_loadd(5, k + s * kChunk, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, k + next_tile + s * kChunk, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, k + 2 * next_tile + s * kChunk, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, k + 3 * next_tile + s * kChunk, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      _tile_stored(0, scores + g * kKeyGroup, kScoresStride * 4);
-      _tile_stored(1, scores + g * kKeyGroup + kChunk, kScoresStride * 4);
-      _tile_stored(2, scores + g * kKeyGroup + 2 * kChunk, kScoresStride * 4);
-      _tile_stored(3, scores + g * kKeyGroup + 3 * kChunk, kScoresStride * 4);
+      Products::scores(q, q_stride, rows, k, steps, scores + g * kKeyGroup);
     }
     const int64_t pair_blocks = (segment_keys + 2 * kChunk - 1) / (2 * kChunk);  // P x V reads 32 keys at a time
     // The softmax step in base 2, in two passes over the rows; their maxima and sums are finished
@@ -911,26 +1033,8 @@ void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride,
     }
     row_sum = row_sum * factor + reduce16(seen_sum);
     for (int64_t d = 0; d < NV; d += 4) {  // O = P x V, 64 elements of D at a time
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t b = 0; b < pair_blocks; ++b) {
-        const Vec* v = a.v_packed.data() + ((s0 / (2 * kChunk) + b) * NV + d) * kChunk;
-        _tile_loadd(4, weights + b * 2 * kChunk, kWeightsStride * 2);
-        _tile_loadd(5, v, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, v + kChunk, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, v + 2 * kChunk, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, v + 3 * kChunk, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      _tile_stored(0, a.prompt_output.data() + d, NV * 64);
-      _tile_stored(1, a.prompt_output.data() + d + 1, NV * 64);
-      _tile_stored(2, a.prompt_output.data() + d + 2, NV * 64);
-      _tile_stored(3, a.prompt_output.data() + d + 3, NV * 64);
+      Products::values(weights, rows, a.v_packed.data() + (s0 / (2 * kChunk) * NV + d) * kChunk, NV, pair_blocks,
+                       a.prompt_output.data() + d);
     }
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t i = 0; i < NV; ++i) {
@@ -950,7 +1054,8 @@ void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride,
 }
 
 // A prompt work item: its tokens [tile * kPromptTokens, ...) of every query head of its KV head.
-void attend_prompt_amx(const Problem& p, const WorkItem& item, AmxScratch& a) {
+template <typename Products>
+void attend_prompt(const Problem& p, const WorkItem& item, PromptScratch& a) {
   const int64_t D = p.head_dim;
   const int64_t q_start = p.query_start_loc(item.seq);
   const int64_t q_len = p.query_start_loc(item.seq + 1) - q_start;
@@ -960,7 +1065,6 @@ void attend_prompt_amx(const Problem& p, const WorkItem& item, AmxScratch& a) {
   const int64_t padded = (num_keys + kKeyGroup - 1) / kKeyGroup * kKeyGroup;
   a.prepare_prompt(padded, D / kLanes);
   pack_prompt_kv(p, item, num_keys, padded, a);
-  a.configure(kPromptConfig);
   const auto* query = static_cast<const c10::BFloat16*>(p.query);
   auto* out = static_cast<c10::BFloat16*>(p.out);
   for (int64_t g = 0; g < p.group; ++g) {
@@ -978,18 +1082,12 @@ void attend_prompt_amx(const Problem& p, const WorkItem& item, AmxScratch& a) {
         q = padded_q;
         q_stride = D * static_cast<int64_t>(sizeof(c10::BFloat16));
       }
-      prompt_row_tile(p, q, q_stride, rows, context_before + t, out + ((q_start + t) * p.num_heads + head) * D, p.num_heads * D, a);
+      prompt_row_tile<Products>(p, q, q_stride, rows, context_before + t, out + ((q_start + t) * p.num_heads + head) * D, p.num_heads * D, a);
     }
   }
 }
 
-#else
-constexpr bool kAmx = false;
-bool amx_usable() { return false; }
-struct AmxScratch {
-  explicit AmxScratch(int64_t) {}
-};
-#endif
+#endif  // __AVX512BF16__
 
 // Undoes the element order of P x V over interleaved key pairs (segment_amx, chunk_rows_dot):
 // accumulators 2i and 2i + 1 -> elements 32i .. 32i + 31.
@@ -1434,9 +1532,17 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 
 template <typename q_t, typename kv_t, int kVectors>
 void attend_item(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch& a) {
-#ifdef __AMX_BF16__
+#ifdef __AVX512BF16__
   if constexpr (std::is_same<q_t, c10::BFloat16>::value && std::is_same<kv_t, c10::BFloat16>::value) {
-    if (item.prompt) return attend_prompt_amx(p, item, a);  // planned only where it applies (plan_items)
+    if (item.prompt) {  // planned only where it applies (plan_items)
+#ifdef __AMX_BF16__
+      if (amx_usable()) {
+        a.configure(kPromptConfig);
+        return attend_prompt<TileProducts>(p, item, a);
+      }
+#endif
+      return attend_prompt<DotProducts>(p, item, a);
+    }
   }
 #endif
   attend_tile<q_t, kv_t, kVectors>(p, item, s, a);
@@ -1491,7 +1597,7 @@ void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t wor
   }
 }
 
-// Where the AMX prompt route does not run (no AMX; fp32 or fp16 queries), a fresh prompt (no
+// Where the prompt route does not run (no AVX-512 BF16; fp32 or fp16 queries), a fresh prompt (no
 // context before it) of at least this many tokens goes through torch's own
 // scaled_dot_product_attention on its gathered K/V: the flash kernel computes tiles of queries x
 // keys as matrix products (AMX / VNNI where the CPU has them), measured 2.8x faster than the
@@ -1499,8 +1605,8 @@ void run_items(const Problem& p, const std::vector<WorkItem>& items, int64_t wor
 // causal mask, which SDPA's CPU flash path does not take: such chunks stay here, as do fp8 and
 // int8 caches (SDPA would need a converted copy) and short prompts (gathering is not worth it).
 constexpr int64_t kSdpaMinTokens = 64;
-// A bf16 chunk of at least this many tokens takes the AMX prompt route where it runs
-// (attend_prompt_amx). A tile there is 16 tokens of one head, so shorter chunks fill attend_tile's
+// A bf16 chunk of at least this many tokens takes the prompt route where it runs
+// (attend_prompt). A tile there is 16 tokens of one head, so shorter chunks fill attend_tile's
 // tiles (all the group's heads of a few tokens) better: at 64 chunks after 248 keys (SmolLM2's
 // layer, group 3, Sapphire Rapids, both cores) 8 tokens took 0.90x attend_tile's time, 4 tokens 1.27x.
 constexpr int64_t kPromptMinTokens = 8;
@@ -1533,7 +1639,7 @@ at::Tensor gather_context(const at::Tensor& cache, const Problem& p, int64_t seq
 
 // Checks lengths and offsets (O(num_seqs)); returns the work items, prompt chunks first.
 Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t num_kv_heads, bool sdpa_prompts,
-                bool amx_prompts) {
+                bool prompt_route) {
   TORCH_CHECK_VALUE(p.query_start_loc(0) == 0, "query_start_loc must start at 0, got ", p.query_start_loc(0));
   TORCH_CHECK_VALUE(p.query_start_loc(num_seqs) == num_tokens, "query_start_loc ends at ", p.query_start_loc(num_seqs),
                     " but query has ", num_tokens, " rows");
@@ -1552,9 +1658,9 @@ Plan plan_items(const Problem& p, int64_t num_seqs, int64_t num_tokens, int64_t 
       }
       if ((pass == 0) != (q_len > 1)) continue;  // chunks in the first pass, decodes in the second
       // A window that cannot hide any key of the sequence's is no window: such prompts may go
-      // where windows are not masked (SDPA, the AMX prompt route).
+      // where windows are not masked (SDPA, the prompt route).
       const bool unwindowed = p.window == 0 || seq_len <= p.window;
-      if (amx_prompts && q_len >= kPromptMinTokens && unwindowed) {
+      if (prompt_route && q_len >= kPromptMinTokens && unwindowed) {
         plan.work += q_len * seq_len * p.num_heads;
         const int64_t tiles = (q_len + kPromptTokens - 1) / kPromptTokens;
         for (int64_t tile = tiles - 1; tile >= 0; --tile) {  // the later tokens see more keys: first, for the threads' balance
@@ -1689,9 +1795,10 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
     p.vs_stride_b = vs.stride_b;
     p.vs_stride_h = vs.stride_h;
   }
-  // bf16 prompt chunks take the AMX prompt route where it is built and allowed (attend_prompt_amx).
-  const bool amx_prompts = kAmx && q_type == at::kBFloat16 && kv_type == at::kBFloat16 && head_dim % 64 == 0 && amx_usable();
-  const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads, !fp8 && !int8 && !amx_prompts, amx_prompts);
+  // bf16 prompt chunks take the prompt route where it is built (attend_prompt: AMX tiles where the
+  // CPU and Linux allow them, vdpbf16ps elsewhere).
+  const bool prompt_route = kPromptRoute && q_type == at::kBFloat16 && kv_type == at::kBFloat16 && head_dim % 64 == 0;
+  const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads, !fp8 && !int8 && !prompt_route, prompt_route);
   const std::vector<WorkItem>& items = plan.items;
   const int64_t workers = plan.work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());
 

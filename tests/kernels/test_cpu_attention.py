@@ -147,6 +147,7 @@ def test_unvalidated_writes_are_still_checked_by_the_kernel_before_anything_is_w
 def test_fresh_prompts_beside_decodes_and_later_chunks_match_the_torch_path(dtype: torch.dtype, num_kv_heads: int, group: int) -> None:
     # Fresh prompts of >= 64 tokens go through torch's SDPA on gathered K/V (one of 65, just past
     # a block edge; one of 130); a shorter one and a chunk after earlier context stay in the loop.
+    # (bf16 chunks of >= 8 tokens take the prompt route instead wherever AVX-512 BF16 is built.)
     batch = make_batch([40, 65, 9, 130, 200], [1, 65, 9, 130, 70], num_kv_heads=num_kv_heads, group=group, dtype=dtype, seed=3)
     scales = dict(k_scale=0.5, v_scale=2.0)
     torch.testing.assert_close(_kernel(batch, **scales).float(), torch_paged_attention(*batch.attention_args(), **scales).float(),
@@ -218,7 +219,8 @@ def test_bf16_decodes_of_every_group_match_the_torch_path_and_read_nothing_past_
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_bf16_prompt_chunks_match_the_torch_path_and_read_nothing_past_the_context(head_dim: int, block_size: int) -> None:
-    # bf16 chunks of >= 8 tokens take the AMX prompt route where the CPU has it (a tile: 16 tokens
+    # bf16 chunks of >= 8 tokens take the prompt route wherever AVX-512 BF16 is built, in AMX tiles
+    # where the CPU has them, else in vdpbf16ps (a tile: 16 tokens
     # of one head; work items of 64 tokens; softmax segments of 512 keys): fresh prompts of 16, 17
     # (a last tile of one row), 65 (one token past an item) and 600 (past a segment); chunks after
     # earlier context ending mid-block (64 after 36, 530 after 570: rows on both sides of a
