@@ -4,8 +4,9 @@ It reads K/V straight from the cache blocks through the block tables: no per-lay
 request's context, one pass over each (request, KV head)'s blocks with an online softmax in fp32.
 bf16 caches use AMX tile multiplications where the CPU has them (Sapphire Rapids and later) and
 Linux grants the tile state; elsewhere the AVX-512 (or portable) loop serves.
-Prompt chunks of bf16 models with AMX take a route of their own, tile matrix products on K/V
-packed once per work item; without AMX (or in fp32/fp16), fresh prompts of 64+ tokens are the
+Prompt chunks of bf16 models take a route of their own wherever AVX-512 BF16 is built: tile
+matrix products on K/V packed once per work item, in AMX tiles or, without them, in vdpbf16ps.
+Elsewhere (AVX-512 without BF16, AVX2; fp32/fp16 models), fresh prompts of 64+ tokens are the
 exception: their K/V are gathered once and handed to torch's SDPA, whose flash kernel does their
 quadratic work as matrix products.
 Where it cannot be built (no compiler, a compile error) the torch path serves instead; that is
