@@ -442,14 +442,10 @@ void prefetch_rows(const kv_t* rows, int64_t count, int64_t stride, int64_t head
 }
 
 constexpr int64_t kAmxMaxRows = 16;  // a tile's rows
-#ifdef __AVX512BF16__
-constexpr bool kPromptRoute = true;  // bf16 prompt chunks: attend_prompt
-#else
-constexpr bool kPromptRoute = false;
-#endif
 constexpr int64_t kPromptTokens = 64;  // a prompt work item's query tokens (each of the group's heads)
 
 #ifdef __AVX512BF16__
+constexpr bool kPromptRoute = true;  // bf16 prompt chunks: attend_prompt
 // The prompt route's layouts (see "bf16 prompt chunks" below), the same with AMX tiles or vdpbf16ps.
 constexpr int64_t kPromptSegment = 512;   // keys per softmax step of a row tile
 // Row strides of the scores (floats) and weights (bf16) buffers: one cache line past the segment,
@@ -482,6 +478,8 @@ struct PromptScratch {
     }
   }
 };
+#else
+constexpr bool kPromptRoute = false;
 #endif
 
 #ifdef __AMX_BF16__
