@@ -17,7 +17,8 @@
 //
 // A decode is one tile of `group` rows, so the GQA heads sharing a KV head read each block once;
 // a wider tile (prompt chunks) converts each chunk of K/V to fp32 once for all its row blocks.
-// The next block is prefetched while one computes (blocks lie anywhere in memory). Threads pull
+// The next block is prefetched while one computes (blocks lie anywhere in memory; the bf16 decode
+// route asks further ahead, see segment_dot). Threads pull
 // items from an atomic counter (prompt chunks, the expensive ones, first), so one long chunk next
 // to many short decodes does not leave a thread idle; small calls run on the calling thread.
 // Metadata is bounds-checked as it is read: a bad block id is an error, never an out-of-bounds read.
@@ -38,7 +39,8 @@
 // vdpbf16ps; elsewhere fresh prompts of 64+ tokens go to torch's SDPA (kSdpaMinTokens).
 // Without AMX, a bf16 tile of one token's rows (a decode) with AVX-512 BF16 (AMD Zen 4 and later,
 // Cooper Lake) takes both products in vdpbf16ps on the cache's bf16 rows as they are
-// (chunk_rows_dot), instead of converting every K/V row to fp32 first. On AVX2 CPUs without
+// (segment_dot: segments of 256 keys, one softmax step each, as the AMX route), instead of
+// converting every K/V row to fp32 first. On AVX2 CPUs without
 // AVX-512 (AMD Zen 2/3, older Intel), fp32, bf16 and fp16 caches take each tile's rows one at a
 // time through a chunk in native 8-lane registers (chunk_avx2).
 
@@ -305,7 +307,7 @@ struct Problem {
 // Per-thread fp32 scratch, allocated once per call and thread.
 struct Scratch {
   std::vector<Vec> q, acc;    // [rows, vectors]: pre-scaled queries, running outputs
-  std::vector<Vec> q_pairs;   // [rows, vectors / 2]: the queries' bf16 as they are (chunk_rows_dot)
+  std::vector<Vec> q_pairs;   // [rows, vectors / 2]: the queries' bf16 as they are (segment_dot)
   std::vector<Vec> k, v;      // [kChunk, vectors]: a chunk of K/V converted once for several row blocks
   std::vector<Vec> parts;     // [kRowBlock, kChunk]: per-key partial dot products before reduce16
   std::vector<float> row_max, row_sum;
@@ -432,16 +434,25 @@ void chunk_rows(const src_t* k_rows, int64_t k_stride, const src_t* v_rows, int6
   }
 }
 
-template <typename kv_t>
+// kLocality: __builtin_prefetch's, 3 into L1 (prefetcht0), 2 into L2 (prefetcht1).
+template <int kLocality = 3, typename kv_t>
 void prefetch_rows(const kv_t* rows, int64_t count, int64_t stride, int64_t head_dim) {
   const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(kv_t));
   for (int64_t j = 0; j < count; ++j) {
     const char* row = reinterpret_cast<const char*>(rows + j * stride);
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at, 0, kLocality);
   }
 }
 
 constexpr int64_t kAmxMaxRows = 16;  // a tile's rows
+constexpr int64_t kSegmentChunks = 16;  // keys per softmax step of a decode tile (AMX, vdpbf16ps): 16 chunks of 16
+
+// One chunk of a segment: n <= 16 keys from first_key on, their K / V rows in the cache.
+struct KeyChunk {
+  const c10::BFloat16* k_rows;
+  const c10::BFloat16* v_rows;
+  int64_t n, first_key;
+};
 constexpr int64_t kPromptTokens = 64;  // a prompt work item's query tokens (each of the group's heads)
 
 #ifdef __AVX512BF16__
@@ -499,7 +510,6 @@ constexpr bool kPromptRoute = false;
 // and tile 2i + 1 the others: undone once, at the output. Measured on Sapphire Rapids, one
 // thread: a decode step's attention at 16-64 rows x 128 keys 1.2-1.4x faster than the loop.
 constexpr bool kAmx = true;
-constexpr int64_t kSegmentChunks = 16;  // keys per softmax step: 16 chunks of 16
 
 // The kernel's tile shapes for a tile of `rows` query rows.
 struct alignas(64) TileConfig {
@@ -546,13 +556,6 @@ bool amx_usable() {
   return usable;
 }
 
-// One chunk of a segment: n <= 16 keys from first_key on, their K / V rows in the cache.
-struct AmxChunk {
-  const c10::BFloat16* k_rows;
-  const c10::BFloat16* v_rows;
-  int64_t n, first_key;
-};
-
 // Per-thread AMX scratch: loads the tile configuration for the rows in use (when they change)
 // and releases the tiles when the thread's work is done.
 struct AmxScratch : PromptScratch {
@@ -565,7 +568,7 @@ struct AmxScratch : PromptScratch {
   std::vector<Vec> value_pairs;  // [4 tiles][16 pairs (two chunks)][16 elements] of bf16 pairs
   std::vector<Vec> output;       // [16 rows][D] fp32, tile order
   std::vector<float> correction;  // [16 rows]
-  std::vector<AmxChunk> chunks;  // the segment being gathered
+  std::vector<KeyChunk> chunks;  // the segment being gathered
   explicit AmxScratch(int64_t vectors)
       : query_t(vectors / 2 * kChunk), keys(kChunk * vectors / 2), scores_t(kSegmentChunks * kChunk), scores(kSegmentChunks),
         weights(kSegmentChunks / 2 * kAmxMaxRows), value_pairs(4 * kChunk), output(kAmxMaxRows * vectors),
@@ -601,7 +604,7 @@ void segment_amx(int64_t k_stride, int64_t v_stride, int64_t rows, int64_t first
   const int64_t NV = head_dim / kLanes, halves = head_dim / (2 * kLanes);
   const int64_t count = static_cast<int64_t>(a.chunks.size());
   for (int64_t c = 0; c < count; ++c) {  // S^T of each chunk
-    const AmxChunk& chunk = a.chunks[c];
+    const KeyChunk& chunk = a.chunks[c];
     // Blocks lie anywhere in memory: ask for the next chunk's keys, and this one's values for P x V.
     if (c + 1 < count) prefetch_rows(a.chunks[c + 1].k_rows, a.chunks[c + 1].n, k_stride, head_dim);
     prefetch_rows(chunk.v_rows, chunk.n, v_stride, head_dim);
@@ -1087,7 +1090,7 @@ void attend_prompt(const Problem& p, const WorkItem& item, PromptScratch& a) {
 
 #endif  // __AVX512BF16__
 
-// Undoes the element order of P x V over interleaved key pairs (segment_amx, chunk_rows_dot):
+// Undoes the element order of P x V over interleaved key pairs (segment_amx, segment_dot):
 // accumulators 2i and 2i + 1 -> elements 32i .. 32i + 31.
 inline void unpermute_pairs(Vec low, Vec high, Vec& first, Vec& second) {
   first = __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -1099,63 +1102,100 @@ inline void unpermute_pairs(Vec low, Vec high, Vec& first, Vec& second) {
 //
 // chunk_rows converts every K and V row to fp32 and multiplies in fp32: on a CPU without AMX
 // those conversions and FMAs are most of a decode's attention when its K/V are in cache. Here
-// both products take the cache's bf16 rows as they are (measured on a 2-core AMD EPYC Zen 4,
-// SmolLM2's layer at 64 decodes: 1.34-1.40x the fp32 loop with K/V in cache, 1.11-1.20x with
-// them coming from memory, where each core's misses, not arithmetic, set the pace):
+// both products take the cache's bf16 rows as they are, a segment of up to kSegmentChunks chunks
+// (256 keys) at a time, as the AMX route does:
 //   scores: vdpbf16ps of a row's bf16 query with a key row, 32 elements of D an instruction,
-//           16 lanes of pair sums finished by reduce16, then scaled (score_scale)
-//   P x V:  the chunk's weights rounded to bf16 (as the AMX route and torch's bf16 path round
-//           them), multiplied with V rows 2m and 2m + 1 interleaved (unpacklo/hi_epi16) as pairs,
-//           so accumulator 2i holds elements 32i + {0-3, 8-11, 16-19, 24-27} and 2i + 1 the
-//           rest: undone once, at the output (unpermute_pairs)
+//           16 lanes of pair sums finished by reduce16 per chunk, then scaled (score_scale)
+//   one online-softmax step per row over the whole segment: one maximum, the exps of all its
+//           scores (independent of each other, so they overlap), one rescale of the running output
+//   P x V:  the weights rounded to bf16 (as the AMX route and torch's bf16 path round them),
+//           multiplied with V rows 2m and 2m + 1 interleaved (unpacklo/hi_epi16) as pairs, the
+//           accumulators in registers across the segment; accumulator 2i holds elements
+//           32i + {0-3, 8-11, 16-19, 24-27} and 2i + 1 the rest: undone once, at the output
+//           (unpermute_pairs)
+// K/V come from memory in a decode step, so the reads are asked for ahead, into L2 (prefetcht1;
+// into L1 the segment's K would evict itself): attend_tile asks for each block's K rows as it
+// gathers the segment, the scores ask for each chunk's V rows (P x V reads them next), and P x V
+// asks for the next KV head's K rows of the same chunk: the thread's next work item, as it claims
+// every KV head of a sequence at once (items_per_claim). Measured on a 2-core AMD EPYC Zen 4,
+// SmolLM2's layer at 64 decodes of 256 tokens, both threads, 30 layers' caches on huge pages:
+// 732 -> 474 us a call against the first version (a softmax step per chunk of 16, each chunk
+// waiting on the last one's maximum, exp and sum; the next block asked for into L1), 337 -> 230 us
+// with the cache in L3; at 1024 tokens 2,980 -> 1,834 us. In a 64-row decode step of the engine
+// (prompts of 200 tokens) attention fell from 20.2 to 12.9 ms of 72 -> 63.6 ms.
 // A bf16 x bf16 product is exact in fp32: the scores differ from chunk_rows' only in the order of
-// their sums. Only tiles whose rows are one token's (decodes; every row sees every key of every
+// their sums. Only tiles whose rows are one token's (decodes: every row sees every key of every
 // chunk it reads) and no window take it, so a chunk's V rows are all seen and a missing partner
-// of an odd last key is zero.
+// of an odd last key is zero. next_keys: where the next KV head's K rows lie from this head's
+// (elements), 0 if there is none.
 template <int kVectors, int kRB>
-void chunk_rows_dot(const c10::BFloat16* k_rows, int64_t k_stride, const c10::BFloat16* v_rows, int64_t v_stride, int64_t n,
-                    const int64_t* visible, const int64_t* hidden, float score_scale, float soft_cap, const Vec* q_pairs,
-                    Vec* acc_out, float* row_max, float* row_sum, Vec* parts) {
+void segment_dot(const KeyChunk* chunks, int64_t count, int64_t k_stride, int64_t v_stride, int64_t next_keys,
+                 float score_scale, float soft_cap, const Vec* q_pairs, Vec* acc_out, float* row_max, float* row_sum, Vec* parts) {
   static_assert(kVectors > 0 && kVectors % 2 == 0, "head_dim must be a multiple of 32");
   constexpr int kPairs = kVectors / 2;  // 64-byte vectors of 32 bf16 per row
+  const Vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
   __m512bh q[kRB][kPairs];
   for (int r = 0; r < kRB; ++r)
     for (int i = 0; i < kPairs; ++i) q[r][i] = (__m512bh)_mm512_load_si512(q_pairs + r * kPairs + i);
-  for (int64_t j = 0; j < n; ++j) {
-    __m512bh k[kPairs];
-    for (int i = 0; i < kPairs; ++i) k[i] = (__m512bh)_mm512_loadu_si512(k_rows + j * k_stride + i * 32);
-    for (int r = 0; r < kRB; ++r) {
-      __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], k[0]);
-      for (int i = 1; i < kPairs; ++i) sum = _mm512_dpbf16_ps(sum, q[r][i], k[i]);
-      parts[r * kChunk + j] = (Vec)sum;
+  Vec scores[kRB][kSegmentChunks];
+  Vec segment_max[kRB];
+  for (int r = 0; r < kRB; ++r) segment_max[r] = minus_inf;
+  for (int64_t c = 0; c < count; ++c) {
+    const KeyChunk& chunk = chunks[c];
+    prefetch_rows<2>(chunk.v_rows, chunk.n, v_stride, kVectors * kLanes);
+    for (int64_t j = 0; j < chunk.n; ++j) {
+      __m512bh k[kPairs];
+      for (int i = 0; i < kPairs; ++i) k[i] = (__m512bh)_mm512_loadu_si512(chunk.k_rows + j * k_stride + i * 32);
+      for (int r = 0; r < kRB; ++r) {
+        __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], k[0]);
+        for (int i = 1; i < kPairs; ++i) sum = _mm512_dpbf16_ps(sum, q[r][i], k[i]);
+        parts[r * kChunk + j] = (Vec)sum;
+      }
+    }
+    for (int r = 0; r < kRB; ++r) {  // lanes past n hold stale parts: masked
+      const Vec scaled = reduce16(parts + r * kChunk) * score_scale;
+      const Vec capped = soft_cap > 0.0f ? soft_cap16(scaled, soft_cap) : scaled;
+      scores[r][c] = lane < static_cast<float>(chunk.n) ? capped : minus_inf;
+      segment_max[r] = vmax(segment_max[r], scores[r][c]);
     }
   }
-  Vec scores[kRB];
-  for (int r = 0; r < kRB; ++r) scores[r] = reduce16(parts + r * kChunk) * score_scale;
-  alignas(64) float weights[kRB][kChunk];
-  online_softmax<kRB>(scores, n, visible, hidden, kVectors, soft_cap, acc_out, row_max, row_sum, weights);
-  alignas(64) int32_t weight_pairs[kRB][kChunk / 2];  // (w[2m], w[2m + 1]) as bf16, lanes past n are 0
+  alignas(64) int32_t weight_pairs[kRB][kSegmentChunks][kChunk / 2];  // (w[2m], w[2m + 1]) as bf16; masked lanes 0
+  float correction[kRB];
   for (int r = 0; r < kRB; ++r) {
-    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_load_ps(weights[r]));
-    std::memcpy(weight_pairs[r], &rounded, sizeof(rounded));
+    const float new_max = std::max(row_max[r], hmax(segment_max[r]));  // finite: every chunk has a key
+    Vec sum{};
+    for (int64_t c = 0; c < count; ++c) {
+      const Vec weight = exp_nonpositive(scores[r][c] - new_max);
+      sum += weight;
+      const __m256bh rounded = _mm512_cvtneps_pbh((__m512)weight);
+      std::memcpy(weight_pairs[r][c], &rounded, sizeof(rounded));
+    }
+    correction[r] = new_max > row_max[r] ? std::exp(row_max[r] - new_max) : 1.0f;  // 0 on the first segment
+    row_sum[r] = row_sum[r] * correction[r] + hsum(sum);
+    row_max[r] = new_max;
   }
   __m512 acc[kRB][kVectors];
   for (int r = 0; r < kRB; ++r)
-    for (int i = 0; i < kVectors; ++i) acc[r][i] = (__m512)acc_out[r * kVectors + i];
+    for (int i = 0; i < kVectors; ++i) acc[r][i] = (__m512)(acc_out[r * kVectors + i] * correction[r]);
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t m = 0; m < n; m += 2) {
-    __m512bh low[kPairs], high[kPairs];
-    for (int i = 0; i < kPairs; ++i) {
-      const __m512i first = _mm512_loadu_si512(v_rows + m * v_stride + i * 32);
-      const __m512i second = m + 1 < n ? _mm512_loadu_si512(v_rows + (m + 1) * v_stride + i * 32) : zero;
-      low[i] = (__m512bh)_mm512_unpacklo_epi16(first, second);
-      high[i] = (__m512bh)_mm512_unpackhi_epi16(first, second);
-    }
-    for (int r = 0; r < kRB; ++r) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(weight_pairs[r][m / 2]);
+  for (int64_t c = 0; c < count; ++c) {
+    const KeyChunk& chunk = chunks[c];
+    if (next_keys != 0) prefetch_rows<2>(chunk.k_rows + next_keys, chunk.n, k_stride, kVectors * kLanes);
+    for (int64_t m = 0; m < chunk.n; m += 2) {
+      __m512bh low[kPairs], high[kPairs];
       for (int i = 0; i < kPairs; ++i) {
-        acc[r][2 * i] = _mm512_dpbf16_ps(acc[r][2 * i], low[i], w);
-        acc[r][2 * i + 1] = _mm512_dpbf16_ps(acc[r][2 * i + 1], high[i], w);
+        const __m512i first = _mm512_loadu_si512(chunk.v_rows + m * v_stride + i * 32);
+        const __m512i second = m + 1 < chunk.n ? _mm512_loadu_si512(chunk.v_rows + (m + 1) * v_stride + i * 32) : zero;
+        low[i] = (__m512bh)_mm512_unpacklo_epi16(first, second);
+        high[i] = (__m512bh)_mm512_unpackhi_epi16(first, second);
+      }
+      for (int r = 0; r < kRB; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(weight_pairs[r][c][m / 2]);
+        for (int i = 0; i < kPairs; ++i) {
+          acc[r][2 * i] = _mm512_dpbf16_ps(acc[r][2 * i], low[i], w);
+          acc[r][2 * i + 1] = _mm512_dpbf16_ps(acc[r][2 * i + 1], high[i], w);
+        }
       }
     }
   }
@@ -1163,18 +1203,18 @@ void chunk_rows_dot(const c10::BFloat16* k_rows, int64_t k_stride, const c10::BF
     for (int i = 0; i < kVectors; ++i) acc_out[r * kVectors + i] = (Vec)acc[r][i];
 }
 
-// Rows [r0, r0 + count) of a decode tile against one chunk, count <= kRowBlock (see chunk_rows_dot).
+// Rows [r0, r0 + rows) of a decode tile against a segment, rows <= kRowBlock (see segment_dot).
 template <int kVectors>
-void chunk_row_block_dot(int64_t count, const c10::BFloat16* k_rows, int64_t k_stride, const c10::BFloat16* v_rows,
-                         int64_t v_stride, int64_t n, float score_scale, float soft_cap, Scratch& s, int64_t r0) {
-  const auto args = std::make_tuple(k_rows, k_stride, v_rows, v_stride, n, s.visible.data() + r0, s.hidden.data() + r0,
-                                    score_scale, soft_cap, s.q_pairs.data() + r0 * kVectors / 2, s.acc.data() + r0 * kVectors,
-                                    s.row_max.data() + r0, s.row_sum.data() + r0, s.parts.data());
-  switch (count) {
-    case 1: return std::apply(chunk_rows_dot<kVectors, 1>, args);
-    case 2: return std::apply(chunk_rows_dot<kVectors, 2>, args);
-    case 3: return std::apply(chunk_rows_dot<kVectors, 3>, args);
-    default: return std::apply(chunk_rows_dot<kVectors, 4>, args);
+void segment_row_block_dot(int64_t rows, const KeyChunk* chunks, int64_t count, int64_t k_stride, int64_t v_stride,
+                           int64_t next_keys, float score_scale, float soft_cap, Scratch& s, int64_t r0) {
+  const auto args = std::make_tuple(chunks, count, k_stride, v_stride, next_keys, score_scale, soft_cap,
+                                    s.q_pairs.data() + r0 * kVectors / 2, s.acc.data() + r0 * kVectors, s.row_max.data() + r0,
+                                    s.row_sum.data() + r0, s.parts.data());
+  switch (rows) {
+    case 1: return std::apply(segment_dot<kVectors, 1>, args);
+    case 2: return std::apply(segment_dot<kVectors, 2>, args);
+    case 3: return std::apply(segment_dot<kVectors, 3>, args);
+    default: return std::apply(segment_dot<kVectors, 4>, args);
   }
 }
 constexpr bool kDotRoute = true;
@@ -1358,7 +1398,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   // A bf16 tile of up to 16 rows goes through AMX where the CPU and the OS allow it (see segment_amx).
   constexpr bool kAmxType = kAmx && std::is_same<kv_t, c10::BFloat16>::value && kVectors > 0 && kVectors % 4 == 0;
   const bool amx = kAmxType && rows <= kAmxMaxRows && p.window == 0 && amx_usable();  // AMX segments mask causally only
-  // Without AMX, one token's rows of a bf16 cache take the bf16 dot products (see chunk_rows_dot).
+  // Without AMX, one token's rows of a bf16 cache take the bf16 dot products (see segment_dot).
   constexpr bool kDotType = kDotRoute && std::is_same<kv_t, c10::BFloat16>::value && kVectors > 0 && kVectors % 2 == 0;
   const bool dot = kDotType && !amx && t1 - t0 == 1 && p.window == 0;
   // On AVX2 CPUs (no AVX-512), every tile of an fp32, bf16 or fp16 cache (see chunk_avx2).
@@ -1396,6 +1436,20 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
                 s.row_max.data(), s.row_sum.data(), a);
   };
 #endif
+  [[maybe_unused]] KeyChunk segment[kSegmentChunks];  // a decode's segment on the vdpbf16ps route (segment_dot)
+  int64_t segment_count = 0;
+  auto dot_segment = [&] {
+#ifdef __AVX512BF16__
+    if constexpr (kDotType) {
+      const int64_t next_keys = (item.kv_head + 1) * p.group < p.num_heads ? p.k_stride_h : 0;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        segment_row_block_dot<kVectors>(std::min<int64_t>(kRowBlock, rows - r0), segment, segment_count, p.k_stride_s,
+                                        p.v_stride_s, r0 + kRowBlock >= rows ? next_keys : 0, p.score_scale, p.soft_cap, s, r0);
+      }
+    }
+#endif
+    segment_count = 0;
+  };
   std::fill(s.acc.begin(), s.acc.begin() + rows * NV, Vec{});
   std::fill(s.row_max.begin(), s.row_max.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(s.row_sum.begin(), s.row_sum.begin() + rows, 0.0f);
@@ -1423,10 +1477,13 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
     const kv_t* v_block = value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h;
     const float* ks_block = p.key_scales ? p.key_scales + block * p.ks_stride_b + item.kv_head * p.ks_stride_h : nullptr;
     const float* vs_block = p.value_scales ? p.value_scales + block * p.vs_stride_b + item.kv_head * p.vs_stride_h : nullptr;
+    if (dot) {  // the segment is computed once gathered: ask for this block's keys now (see segment_dot)
+      prefetch_rows<2>(k_block, std::min(B, num_keys - b * B), p.k_stride_s, p.head_dim);
+    }
     if (b + 1 < num_blocks) {  // blocks lie anywhere in memory: ask for the next one while this one computes
       block = block_id(b + 1);
-      // AMX prefetches as it computes; the AVX2 route measured no better with a prefetch
-      const int64_t next_n = amx || avx2 ? 0 : std::min(B, num_keys - (b + 1) * B);
+      // AMX and the bf16 decode route prefetch as they compute; the AVX2 route measured no better with a prefetch
+      const int64_t next_n = amx || avx2 || dot ? 0 : std::min(B, num_keys - (b + 1) * B);
       prefetch_rows(key_cache + block * p.k_stride_b + item.kv_head * p.k_stride_h, next_n, p.k_stride_s, p.head_dim);
       prefetch_rows(value_cache + block * p.v_stride_b + item.kv_head * p.v_stride_h, next_n, p.v_stride_s, p.head_dim);
     }
@@ -1441,7 +1498,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 #ifdef __AMX_BF16__
       if constexpr (kAmxType) {
         if (amx) {
-          a.chunks.push_back(AmxChunk{reinterpret_cast<const c10::BFloat16*>(k_rows), reinterpret_cast<const c10::BFloat16*>(v_rows), n, first_key});
+          a.chunks.push_back(KeyChunk{reinterpret_cast<const c10::BFloat16*>(k_rows), reinterpret_cast<const c10::BFloat16*>(v_rows), n, first_key});
           if (static_cast<int64_t>(a.chunks.size()) == kSegmentChunks) amx_segment();
           continue;
         }
@@ -1456,11 +1513,9 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 #ifdef __AVX512BF16__
       if constexpr (kDotType) {
         if (dot) {
-          for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-            chunk_row_block_dot<kVectors>(std::min<int64_t>(kRowBlock, rows - r0), reinterpret_cast<const c10::BFloat16*>(k_rows),
-                                          p.k_stride_s, reinterpret_cast<const c10::BFloat16*>(v_rows), p.v_stride_s, n,
-                                          p.score_scale, p.soft_cap, s, r0);
-          }
+          segment[segment_count++] = KeyChunk{reinterpret_cast<const c10::BFloat16*>(k_rows),
+                                              reinterpret_cast<const c10::BFloat16*>(v_rows), n, first_key};
+          if (segment_count == kSegmentChunks) dot_segment();
           continue;
         }
       }
@@ -1504,6 +1559,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 #ifdef __AMX_BF16__
   if (amx && !a.chunks.empty()) amx_segment();  // the last, partial segment
 #endif
+  if (dot && segment_count > 0) dot_segment();
 
   // out is [num_tokens, num_heads, head_dim], contiguous.
   q_t* out = static_cast<q_t*>(p.out);
