@@ -38,9 +38,9 @@
 // work item in the tile layouts (attend_prompt), multiplied in AMX tiles, or where there are none in
 // vdpbf16ps; elsewhere fresh prompts of 64+ tokens go to torch's SDPA (kSdpaMinTokens).
 // Without AMX, a bf16 tile of one token's rows (a decode) with AVX-512 BF16 (AMD Zen 4 and later,
-// Cooper Lake) takes both products in vdpbf16ps on the cache's bf16 rows as they are
-// (segment_dot: segments of 256 keys, one softmax step each, as the AMX route), instead of
-// converting every K/V row to fp32 first. On AVX2 CPUs without
+// Cooper Lake) takes both products in vdpbf16ps on the cache's bf16 rows as they are, or on an
+// fp8 cache's rows widened to bf16 (segment_dot: segments of 256 keys, one softmax step each, as
+// the AMX route), instead of converting every K/V row to fp32 first. On AVX2 CPUs without
 // AVX-512 (AMD Zen 2/3, older Intel), fp32, bf16 and fp16 caches take each tile's rows one at a
 // time through a chunk in native 8-lane registers (chunk_avx2).
 
@@ -448,11 +448,13 @@ constexpr int64_t kAmxMaxRows = 16;  // a tile's rows
 constexpr int64_t kSegmentChunks = 16;  // keys per softmax step of a decode tile (AMX, vdpbf16ps): 16 chunks of 16
 
 // One chunk of a segment: n <= 16 keys from first_key on, their K / V rows in the cache.
-struct KeyChunk {
-  const c10::BFloat16* k_rows;
-  const c10::BFloat16* v_rows;
+template <typename kv_t>
+struct KeyChunkOf {
+  const kv_t* k_rows;
+  const kv_t* v_rows;
   int64_t n, first_key;
 };
+using KeyChunk = KeyChunkOf<c10::BFloat16>;  // the AMX route's
 constexpr int64_t kPromptTokens = 64;  // a prompt work item's query tokens (each of the group's heads)
 
 #ifdef __AVX512BF16__
@@ -1100,6 +1102,23 @@ inline void unpermute_pairs(Vec low, Vec high, Vec& first, Vec& second) {
 #ifdef __AVX512BF16__
 // ---- bf16 decodes through vdpbf16ps (no AMX) --------------------------------------------------
 //
+// 32 elements of a cache row as bf16: a bf16 row as it is; an fp8 (e4m3fn) row widened exactly,
+// every e4m3 value being a bf16 value, in 16-bit integer lanes: a normal code's exponent and
+// mantissa shifted into bf16's fields, the exponent rebiased (+120); a subnormal code (exponent 0)
+// is m * 2^-9, m = 0..7, from a table; 0x7f / 0xff are NaN. Through load16's fp32 (16 lanes and a
+// conversion per 16 elements) the conversion was most of an fp8 decode's time.
+alignas(64) constexpr uint16_t kE4m3SubnormalBf16[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+inline __m512bh load32_bf16(const c10::BFloat16* src) { return (__m512bh)_mm512_loadu_si512(src); }
+inline __m512bh load32_bf16(const c10::Float8_e4m3fn* src) {
+  const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
+  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+  bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), magnitude,
+                                       _mm512_load_si512(kE4m3SubnormalBf16));
+  bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+  return (__m512bh)_mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
+}
+//
 // chunk_rows converts every K and V row to fp32 and multiplies in fp32: on a CPU without AMX
 // those conversions and FMAs are most of a decode's attention when its K/V are in cache. Here
 // both products take the cache's bf16 rows as they are, a segment of up to kSegmentChunks chunks
@@ -1123,13 +1142,16 @@ inline void unpermute_pairs(Vec low, Vec high, Vec& first, Vec& second) {
 // waiting on the last one's maximum, exp and sum; the next block asked for into L1), 337 -> 230 us
 // with the cache in L3; at 1024 tokens 2,980 -> 1,834 us. In a 64-row decode step of the engine
 // (prompts of 200 tokens) attention fell from 20.2 to 12.9 ms of 72 -> 63.6 ms.
+// An fp8 cache (bf16 queries) takes the same route, its rows widened to bf16 as they are loaded
+// (load32_bf16), its scales in score_scale and out_scale as everywhere: 64 decodes of 256 tokens
+// 828 -> 424 us a call from memory, 645 -> 355 us in L3, against the fp32 loop it took before.
 // A bf16 x bf16 product is exact in fp32: the scores differ from chunk_rows' only in the order of
 // their sums. Only tiles whose rows are one token's (decodes: every row sees every key of every
 // chunk it reads) and no window take it, so a chunk's V rows are all seen and a missing partner
 // of an odd last key is zero. next_keys: where the next KV head's K rows lie from this head's
 // (elements), 0 if there is none.
-template <int kVectors, int kRB>
-void segment_dot(const KeyChunk* chunks, int64_t count, int64_t k_stride, int64_t v_stride, int64_t next_keys,
+template <typename kv_t, int kVectors, int kRB>
+void segment_dot(const KeyChunkOf<kv_t>* chunks, int64_t count, int64_t k_stride, int64_t v_stride, int64_t next_keys,
                  float score_scale, float soft_cap, const Vec* q_pairs, Vec* acc_out, float* row_max, float* row_sum, Vec* parts) {
   static_assert(kVectors > 0 && kVectors % 2 == 0, "head_dim must be a multiple of 32");
   constexpr int kPairs = kVectors / 2;  // 64-byte vectors of 32 bf16 per row
@@ -1142,11 +1164,11 @@ void segment_dot(const KeyChunk* chunks, int64_t count, int64_t k_stride, int64_
   Vec segment_max[kRB];
   for (int r = 0; r < kRB; ++r) segment_max[r] = minus_inf;
   for (int64_t c = 0; c < count; ++c) {
-    const KeyChunk& chunk = chunks[c];
+    const KeyChunkOf<kv_t>& chunk = chunks[c];
     prefetch_rows<2>(chunk.v_rows, chunk.n, v_stride, kVectors * kLanes);
     for (int64_t j = 0; j < chunk.n; ++j) {
       __m512bh k[kPairs];
-      for (int i = 0; i < kPairs; ++i) k[i] = (__m512bh)_mm512_loadu_si512(chunk.k_rows + j * k_stride + i * 32);
+      for (int i = 0; i < kPairs; ++i) k[i] = load32_bf16(chunk.k_rows + j * k_stride + i * 32);
       for (int r = 0; r < kRB; ++r) {
         __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], k[0]);
         for (int i = 1; i < kPairs; ++i) sum = _mm512_dpbf16_ps(sum, q[r][i], k[i]);
@@ -1180,13 +1202,13 @@ void segment_dot(const KeyChunk* chunks, int64_t count, int64_t k_stride, int64_
     for (int i = 0; i < kVectors; ++i) acc[r][i] = (__m512)(acc_out[r * kVectors + i] * correction[r]);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t c = 0; c < count; ++c) {
-    const KeyChunk& chunk = chunks[c];
+    const KeyChunkOf<kv_t>& chunk = chunks[c];
     if (next_keys != 0) prefetch_rows<2>(chunk.k_rows + next_keys, chunk.n, k_stride, kVectors * kLanes);
     for (int64_t m = 0; m < chunk.n; m += 2) {
       __m512bh low[kPairs], high[kPairs];
       for (int i = 0; i < kPairs; ++i) {
-        const __m512i first = _mm512_loadu_si512(chunk.v_rows + m * v_stride + i * 32);
-        const __m512i second = m + 1 < chunk.n ? _mm512_loadu_si512(chunk.v_rows + (m + 1) * v_stride + i * 32) : zero;
+        const __m512i first = (__m512i)load32_bf16(chunk.v_rows + m * v_stride + i * 32);
+        const __m512i second = m + 1 < chunk.n ? (__m512i)load32_bf16(chunk.v_rows + (m + 1) * v_stride + i * 32) : zero;
         low[i] = (__m512bh)_mm512_unpacklo_epi16(first, second);
         high[i] = (__m512bh)_mm512_unpackhi_epi16(first, second);
       }
@@ -1204,17 +1226,17 @@ void segment_dot(const KeyChunk* chunks, int64_t count, int64_t k_stride, int64_
 }
 
 // Rows [r0, r0 + rows) of a decode tile against a segment, rows <= kRowBlock (see segment_dot).
-template <int kVectors>
-void segment_row_block_dot(int64_t rows, const KeyChunk* chunks, int64_t count, int64_t k_stride, int64_t v_stride,
+template <typename kv_t, int kVectors>
+void segment_row_block_dot(int64_t rows, const KeyChunkOf<kv_t>* chunks, int64_t count, int64_t k_stride, int64_t v_stride,
                            int64_t next_keys, float score_scale, float soft_cap, Scratch& s, int64_t r0) {
   const auto args = std::make_tuple(chunks, count, k_stride, v_stride, next_keys, score_scale, soft_cap,
                                     s.q_pairs.data() + r0 * kVectors / 2, s.acc.data() + r0 * kVectors, s.row_max.data() + r0,
                                     s.row_sum.data() + r0, s.parts.data());
   switch (rows) {
-    case 1: return std::apply(segment_dot<kVectors, 1>, args);
-    case 2: return std::apply(segment_dot<kVectors, 2>, args);
-    case 3: return std::apply(segment_dot<kVectors, 3>, args);
-    default: return std::apply(segment_dot<kVectors, 4>, args);
+    case 1: return std::apply(segment_dot<kv_t, kVectors, 1>, args);
+    case 2: return std::apply(segment_dot<kv_t, kVectors, 2>, args);
+    case 3: return std::apply(segment_dot<kv_t, kVectors, 3>, args);
+    default: return std::apply(segment_dot<kv_t, kVectors, 4>, args);
   }
 }
 constexpr bool kDotRoute = true;
@@ -1399,7 +1421,9 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   constexpr bool kAmxType = kAmx && std::is_same<kv_t, c10::BFloat16>::value && kVectors > 0 && kVectors % 4 == 0;
   const bool amx = kAmxType && rows <= kAmxMaxRows && p.window == 0 && amx_usable();  // AMX segments mask causally only
   // Without AMX, one token's rows of a bf16 cache take the bf16 dot products (see segment_dot).
-  constexpr bool kDotType = kDotRoute && std::is_same<kv_t, c10::BFloat16>::value && kVectors > 0 && kVectors % 2 == 0;
+  constexpr bool kDotType = kDotRoute && std::is_same<q_t, c10::BFloat16>::value &&
+                            (std::is_same<kv_t, c10::BFloat16>::value || std::is_same<kv_t, c10::Float8_e4m3fn>::value) &&
+                            kVectors > 0 && kVectors % 2 == 0;
   const bool dot = kDotType && !amx && t1 - t0 == 1 && p.window == 0;
   // On AVX2 CPUs (no AVX-512), every tile of an fp32, bf16 or fp16 cache (see chunk_avx2).
   constexpr bool kAvx2Type = kAvx2Route && kVectors > 0 && kVectors % 4 == 0 &&
@@ -1436,14 +1460,14 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
                 s.row_max.data(), s.row_sum.data(), a);
   };
 #endif
-  [[maybe_unused]] KeyChunk segment[kSegmentChunks];  // a decode's segment on the vdpbf16ps route (segment_dot)
+  [[maybe_unused]] KeyChunkOf<kv_t> segment[kSegmentChunks];  // a decode's segment on the vdpbf16ps route (segment_dot)
   int64_t segment_count = 0;
   auto dot_segment = [&] {
 #ifdef __AVX512BF16__
     if constexpr (kDotType) {
       const int64_t next_keys = (item.kv_head + 1) * p.group < p.num_heads ? p.k_stride_h : 0;
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-        segment_row_block_dot<kVectors>(std::min<int64_t>(kRowBlock, rows - r0), segment, segment_count, p.k_stride_s,
+        segment_row_block_dot<kv_t, kVectors>(std::min<int64_t>(kRowBlock, rows - r0), segment, segment_count, p.k_stride_s,
                                         p.v_stride_s, r0 + kRowBlock >= rows ? next_keys : 0, p.score_scale, p.soft_cap, s, r0);
       }
     }
@@ -1513,8 +1537,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 #ifdef __AVX512BF16__
       if constexpr (kDotType) {
         if (dot) {
-          segment[segment_count++] = KeyChunk{reinterpret_cast<const c10::BFloat16*>(k_rows),
-                                              reinterpret_cast<const c10::BFloat16*>(v_rows), n, first_key};
+          segment[segment_count++] = KeyChunkOf<kv_t>{k_rows, v_rows, n, first_key};
           if (segment_count == kSegmentChunks) dot_segment();
           continue;
         }

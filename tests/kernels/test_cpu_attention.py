@@ -134,6 +134,21 @@ def test_every_fp8_code_is_read_exactly() -> None:
     torch.testing.assert_close(out.view(256), codes.view(256).float(), rtol=0, atol=0, equal_nan=True)
 
 
+def test_every_fp8_code_is_read_exactly_by_bf16_decodes() -> None:
+    # The same through bf16 queries and a head_dim of 64 (where AVX-512 BF16 is built, the decodes'
+    # vdpbf16ps route widens the codes to bf16 itself): request i's value row holds codes
+    # 64i..64i+63, its one key all weight, so out[i] = that row, NaN codes NaN.
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).view(4, 1, 1, 64)
+    value_cache = torch.cat([codes, torch.full_like(codes, float("nan"))], dim=2)  # row 1 is never read
+    key_cache = torch.zeros_like(value_cache)
+    out = cpu_paged_attention(
+        torch.ones(4, 1, 64, dtype=torch.bfloat16), key_cache, value_cache, torch.arange(4, dtype=torch.int32).view(4, 1),
+        torch.ones(4, dtype=torch.int32), torch.arange(5, dtype=torch.int32), 1.0, 1.0,
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().view(256), codes.view(256).float(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_unvalidated_writes_are_still_checked_by_the_kernel_before_anything_is_written() -> None:
     key_cache, value_cache = torch.zeros(6, 3, 8, 64), torch.zeros(6, 3, 8, 64)
     key = torch.randn(2, 3, 64)
@@ -177,16 +192,21 @@ def test_bf16_long_contexts_and_chunks_across_softmax_segments_match_the_torch_p
 
 
 def _poison_past_contexts(batch) -> None:
-    """Every cache row past a context (the rest of its last block, the spare blocks): K huge, V
-    NaN, so reading one shows (a NaN score gets the weight 0 in the kernels' softmax; a huge one
+    """Every cache row past a context (the rest of its last block, the spare blocks): K huge (an
+    fp8 cache's largest), V NaN, so reading one shows (a NaN score gets the weight 0 in the kernels' softmax; a huge one
     takes all the weight)."""
     block_size = batch.key_cache.shape[2]
     used = torch.zeros(batch.key_cache.shape[0], block_size, dtype=torch.bool)
     for i, seq_len in enumerate(batch.seq_lens.tolist()):
         positions = torch.arange(seq_len)
         used[batch.block_tables[i, positions // block_size].long(), positions % block_size] = True
-    batch.key_cache.masked_fill_(~used[:, None, :, None], 1e4)
-    batch.value_cache.masked_fill_(~used[:, None, :, None], float("nan"))
+    unused = ~used[:, None, :, None]
+    if batch.key_cache.dtype == FP8:  # no masked_fill for fp8: its codes, 0x7e = 448 (its largest), 0x7f = NaN
+        batch.key_cache.view(torch.uint8).masked_fill_(unused, 0x7E)
+        batch.value_cache.view(torch.uint8).masked_fill_(unused, 0x7F)
+        return
+    batch.key_cache.masked_fill_(unused, 1e4)
+    batch.value_cache.masked_fill_(unused, float("nan"))
 
 
 def _assert_matches_dense_attention(args: tuple, batch) -> None:
@@ -204,14 +224,16 @@ def _assert_matches_dense_attention(args: tuple, batch) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
 def test_bf16_decodes_of_every_group_match_the_torch_path_and_read_nothing_past_the_context(
-        head_dim: int, group: int, block_size: int) -> None:
-    # bf16 decodes (AMX tiles where the CPU has them, else the vector loop) at contexts of one key,
+        head_dim: int, group: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    # bf16 decodes (AMX tiles where the CPU has them and the cache is bf16, else vdpbf16ps where
+    # there is AVX-512 BF16, else the vector loop) on a bf16 or fp8 cache, at contexts of one key,
     # a partial chunk, whole blocks, one past a block, past a softmax segment; every cache row past
     # a context is poisoned (_poison_past_contexts).
     seq_lens = [1, 7, 16, 17, 33, 300, 1000]
     batch = make_batch(seq_lens, [1] * len(seq_lens), num_kv_heads=2, group=group, head_dim=head_dim,
-                       dtype=torch.bfloat16, block_size=block_size, seed=group * head_dim + block_size)
+                       dtype=torch.bfloat16, kv_dtype=kv_dtype, block_size=block_size, seed=group * head_dim + block_size)
     _poison_past_contexts(batch)
     _assert_matches_dense_attention(batch.attention_args()[:-1], batch)
 
