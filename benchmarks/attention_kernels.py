@@ -14,12 +14,15 @@ served before), interleaved in one process (A, B, A, B, ... the minimum of each)
 contiguous K/V of the same size. Run it on a quiet machine; `--threads 1` is steadier on a busy one.
 Every paged case scatters its blocks in a random order, as a long-running server would.
 
-    python benchmarks/attention_kernels.py --device cpu --calls [--context 128] [--baseline main~3]
+    python benchmarks/attention_kernels.py --device cpu --calls [--context 128] [--baseline main~3] [--huge-pages]
 
 --calls: what one layer's attention costs per call as the engine makes it (KV write + attention,
-SmolLM2's shape, bf16 (the first of --dtypes), --context-token contexts (default 128), decode steps of 1/16/64/256 rows and a mixed step of
+SmolLM2's shape, the first of --dtypes (bf16 by default; fp8: bf16 queries on an e4m3 cache),
+--context-token contexts (default 128), decode steps of 1/16/64/256 rows and a mixed step of
 16 decodes + one 512-token prompt), microseconds per layer call, interleaved in one process,
-each call on the next of up to 30 layers' caches (K/V come from memory, as in a forward):
+each call on the next of up to 30 layers' caches (K/V come from memory, as in a forward);
+--huge-pages puts each cache on transparent huge pages, as the engine allocates it
+(engine/huge_pages.py), where the OS grants them:
   served      TorchAttentionBackend as the engine holds it (unvalidated: straight to the C++ ops)
   python op   the same kernels through the Python custom op and entry point (how they were served
               before the backend called the C++ ops directly)
@@ -42,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine import huge_pages as huge_pages_module
 from kvserve.kernels import FP8_KV_DTYPE, AttentionMetadata, TorchAttentionBackend, custom_ops, paged_attention
 from kvserve.kernels.cpu_attention import cpu_kernel_available
 from kvserve.kernels.cpu_kernel_build import SOURCE, build_library, default_cache_dir
@@ -170,12 +174,17 @@ def load_baseline(revision: str) -> object:
     return torch.ops.kvserve_cpu_baseline
 
 
-def make_engine_step(decodes: int, context: int, prompt: int, dtype: torch.dtype = torch.bfloat16):
+def make_engine_step(decodes: int, context: int, prompt: int, dtype: torch.dtype = torch.bfloat16,
+                     kv_dtype: torch.dtype | None = None, huge_pages: bool = False):
     """One layer's inputs as the engine passes them: `decodes` single-query requests with
-    `context` tokens, then (if `prompt`) one fresh prompt of `prompt` tokens; in `dtype`
-    (queries and cache), SmolLM2's shape. Returns (key, value, slot_mapping, attention args, hints)."""
+    `context` tokens, then (if `prompt`) one fresh prompt of `prompt` tokens; queries in `dtype`,
+    the cache in `kv_dtype` (default: `dtype`), on huge pages if asked, SmolLM2's shape. Returns
+    (key, value, slot_mapping, attention args, hints)."""
     shape = DecodeShape(decodes + (1 if prompt else 0), max(context, prompt), 9, 3, 64)
-    query, key_cache, value_cache, block_tables, seq_lens, _, scale = make_paged_decode(shape, dtype, dtype, "cpu")
+    query, key_cache, value_cache, block_tables, seq_lens, _, scale = make_paged_decode(shape, dtype, kv_dtype or dtype, "cpu")
+    if huge_pages:
+        key_cache = huge_pages_module.zeros(tuple(key_cache.shape), key_cache.dtype, "cpu").copy_(key_cache)
+        value_cache = huge_pages_module.zeros(tuple(value_cache.shape), value_cache.dtype, "cpu").copy_(value_cache)
     seq_lens[:decodes] = context
     q_lens = [1] * decodes + ([prompt] if prompt else [])
     if prompt:
@@ -193,13 +202,15 @@ def make_engine_step(decodes: int, context: int, prompt: int, dtype: torch.dtype
 CALL_CACHE_BUDGET = 512 << 20  # bytes of KV cache the per-call table cycles through
 
 
-def run_cpu_calls(baseline: str | None, context: int = 128, dtype: torch.dtype = torch.bfloat16) -> None:
+def run_cpu_calls(baseline: str | None, context: int = 128, dtype: torch.dtype = torch.bfloat16,
+                  kv_dtype: torch.dtype | None = None, huge_pages: bool = False) -> None:
     if not cpu_kernel_available():
         raise SystemExit("the C++ CPU attention kernel could not be built here (see the log line above)")
     old = load_baseline(baseline) if baseline else None
     backend = TorchAttentionBackend(validate=False)
     print(f"CPU, {torch.get_num_threads()} threads: one layer's KV write + attention per call, us (min of interleaved runs); "
-          f"SmolLM2 shape, {str(dtype).removeprefix('torch.')}, {context}-token contexts" + (f"; baseline = kernel at {baseline}" if baseline else ""))
+          f"SmolLM2 shape, {str(dtype).removeprefix('torch.')} queries, {str(kv_dtype or dtype).removeprefix('torch.')} cache, "
+          f"{context}-token contexts" + ("; caches on huge pages" if huge_pages else "") + (f"; baseline = kernel at {baseline}" if baseline else ""))
     print("Calls cycle through up to 30 layers' caches (at most 512 MB), so K/V come from memory as in a forward.")
     columns = ["layers", "served", "python op", "C++ ops"] + (["baseline"] if old else [])
     # Before this change the engine ran the baseline kernel through the Python op: estimated as
@@ -207,10 +218,10 @@ def run_cpu_calls(baseline: str | None, context: int = 128, dtype: torch.dtype =
     print(f"{'step':>23} | " + " ".join(f"{c:>10}" for c in columns) + (" | est. before/served" if old else ""))
     for label, decodes, prompt in [("decode x1", 1, 0), ("decode x16", 16, 0), ("decode x64", 64, 0), ("decode x256", 256, 0),
                                    ("16 decode + 512 prefill", 16, 512)]:
-        steps = [make_engine_step(decodes, context, prompt, dtype)]
+        steps = [make_engine_step(decodes, context, prompt, dtype, kv_dtype, huge_pages)]
         layer_bytes = 2 * steps[0][3][1].nbytes
         while len(steps) < min(30, CALL_CACHE_BUDGET // layer_bytes):
-            steps.append(make_engine_step(decodes, context, prompt, dtype))
+            steps.append(make_engine_step(decodes, context, prompt, dtype, kv_dtype, huge_pages))
         turn = iter(range(1 << 62))
         # The engine builds a step's metadata once for all its layers: not part of a layer call.
         metas = [backend.prepare(AttentionMetadata(slots, args[3], args[4], args[5], **hints))
@@ -283,6 +294,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CPU only: batch 16 and 64 at context 128 and 512, and the mixed step")
     parser.add_argument("--calls", action="store_true", help="CPU only: the per-call table (see above) instead of the decode sweep")
     parser.add_argument("--context", type=int, default=128, help="CPU --calls only: each decoding request's context length")
+    parser.add_argument("--huge-pages", action="store_true", help="CPU --calls only: caches on transparent huge pages, as the engine's")
     parser.add_argument("--baseline", default=None, help="CPU --calls only: a git revision whose kernel to time beside this one")
     parser.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (1 is steadier on a busy machine)")
     args = parser.parse_args()
@@ -292,7 +304,8 @@ def main() -> None:
     if device == "cuda":
         run_cuda(args.peak_gbps)
     elif args.calls:
-        run_cpu_calls(args.baseline, args.context, CPU_DTYPES[args.dtypes.split(",")[0]][0])
+        dtype, kv_dtype = CPU_DTYPES[args.dtypes.split(",")[0]]
+        run_cpu_calls(args.baseline, args.context, dtype, kv_dtype, args.huge_pages)
     else:
         run_cpu(args.dtypes.split(","), *(((16, 64), (128, 512)) if args.quick else ()))
 

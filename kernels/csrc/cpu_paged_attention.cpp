@@ -1137,14 +1137,15 @@ inline __m512bh load32_bf16(const c10::Float8_e4m3fn* src) {
 // gathers the segment, the scores ask for each chunk's V rows (P x V reads them next), and P x V
 // asks for the next KV head's K rows of the same chunk: the thread's next work item, as it claims
 // every KV head of a sequence at once (items_per_claim). Measured on a 2-core AMD EPYC Zen 4,
-// SmolLM2's layer at 64 decodes of 256 tokens, both threads, 30 layers' caches on huge pages:
-// 732 -> 474 us a call against the first version (a softmax step per chunk of 16, each chunk
-// waiting on the last one's maximum, exp and sum; the next block asked for into L1), 337 -> 230 us
-// with the cache in L3; at 1024 tokens 2,980 -> 1,834 us. In a 64-row decode step of the engine
-// (prompts of 200 tokens) attention fell from 20.2 to 12.9 ms of 72 -> 63.6 ms.
+// SmolLM2's layer, both threads, 30 layers' caches on huge pages (benchmarks/attention_kernels.py
+// --calls --huge-pages --baseline 6831ce5), against the first version (a softmax step per chunk
+// of 16, each chunk waiting on the last one's maximum, exp and sum; the next block asked for into
+// L1): 64 decodes of 256 tokens 752 -> 480 us a call, of 1024 tokens 2,956 -> 1,771 us. In a
+// 64-row decode step of the engine (prompts of 200 tokens) attention fell from 20.2 to 12.9 ms,
+// the step from 72 to 63.6 ms.
 // An fp8 cache (bf16 queries) takes the same route, its rows widened to bf16 as they are loaded
 // (load32_bf16), its scales in score_scale and out_scale as everywhere: 64 decodes of 256 tokens
-// 828 -> 424 us a call from memory, 645 -> 355 us in L3, against the fp32 loop it took before.
+// 844 -> 468 us a call, against the fp32 loop it took before (measured as above, --dtypes fp8).
 // A bf16 x bf16 product is exact in fp32: the scores differ from chunk_rows' only in the order of
 // their sums. Only tiles whose rows are one token's (decodes: every row sees every key of every
 // chunk it reads) and no window take it, so a chunk's V rows are all seen and a missing partner
