@@ -6,8 +6,9 @@ bf16 caches use AMX tile multiplications where the CPU has them (Sapphire Rapids
 Linux grants the tile state; without AMX, decodes of a bf16 model on a bf16 or fp8 cache take
 vdpbf16ps where AVX-512 BF16 is built (AMD Zen 4 and later), in segments of 256 keys with one
 softmax step each; elsewhere the AVX-512 (or portable) loop serves.
-Prompt chunks of bf16 models take a route of their own wherever AVX-512 BF16 is built: tile
-matrix products on K/V packed once per work item, in AMX tiles or, without them, in vdpbf16ps.
+Prompt chunks of bf16 models on a bf16 or fp8 cache take a route of their own wherever AVX-512
+BF16 is built: tile matrix products on K/V packed once per work item (fp8 rows widened to bf16 as
+they are packed), in AMX tiles or, without them, in vdpbf16ps.
 Elsewhere (AVX-512 without BF16, AVX2; fp32/fp16 models), fresh prompts of 64+ tokens are the
 exception: their K/V are gathered once and handed to torch's SDPA, whose flash kernel does their
 quadratic work as matrix products.

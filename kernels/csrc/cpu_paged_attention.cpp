@@ -33,8 +33,8 @@
 //
 // bf16 caches on CPUs with AMX take another route for tiles of <= 16 rows (decodes included): the
 // two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
-// bf16 chunks of 8 or more tokens (prompts, later chunks of one) take a route of their own
-// wherever AVX-512 BF16 is built: tiles of 16 tokens of one query head against K/V packed once per
+// bf16 chunks of 8 or more tokens (prompts, later chunks of one) on a bf16 or fp8 cache take a
+// route of their own wherever AVX-512 BF16 is built: tiles of 16 tokens of one query head against K/V packed once per
 // work item in the tile layouts (attend_prompt), multiplied in AMX tiles, or where there are none in
 // vdpbf16ps; elsewhere fresh prompts of 64+ tokens go to torch's SDPA (kSdpaMinTokens).
 // Without AMX, a bf16 tile of one token's rows (a decode) with AVX-512 BF16 (AMD Zen 4 and later,
@@ -730,6 +730,31 @@ struct AmxScratch {
 #endif
 
 #ifdef __AVX512BF16__
+// Cache rows as bf16, 32 or 16 elements (the prompt route packs them, the decodes' vdpbf16ps route
+// multiplies them): a bf16 row as it is; an fp8 (e4m3fn) row widened
+// exactly, every e4m3 value being a bf16 value, in 16-bit integer lanes: a normal code's exponent
+// and mantissa shifted into bf16's fields, the exponent rebiased (+120); a subnormal code
+// (exponent 0) is m * 2^-9, m = 0..7, from a table; 0x7f / 0xff are NaN. Through load16's fp32
+// (16 lanes and a conversion per 16 elements) the conversion was most of an fp8 decode's time.
+alignas(64) constexpr uint16_t kE4m3SubnormalBf16[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+inline __m512i e4m3_to_bf16(__m512i code) {  // 32 codes, one per 16-bit lane
+  const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
+  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+  bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), magnitude,
+                                       _mm512_load_si512(kE4m3SubnormalBf16));
+  bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
+}
+inline __m512bh load32_bf16(const c10::BFloat16* src) { return (__m512bh)_mm512_loadu_si512(src); }
+inline __m512bh load32_bf16(const c10::Float8_e4m3fn* src) {
+  return (__m512bh)e4m3_to_bf16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+}
+inline __m256i load16_bf16(const c10::BFloat16* src) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)); }
+inline __m256i load16_bf16(const c10::Float8_e4m3fn* src) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm512_castsi512_si256(e4m3_to_bf16(_mm512_cvtepu8_epi16(_mm256_zextsi128_si256(codes))));
+}
+
 // ---- bf16 prompt chunks: AMX tiles, or vdpbf16ps where there are none -------------------------
 //
 // A prompt chunk has many tokens for each query head, so this route makes a tile of 16
@@ -800,15 +825,16 @@ inline void transpose16x16_epi32(__m512i* r) {
 
 // Packs keys [0, padded) of the item's sequence and KV head (those past `num_keys` zero, so
 // padding is finite: its scores are masked, its values meet weight 0).
+template <typename kv_t>
 void pack_prompt_kv(const Problem& p, const WorkItem& item, int64_t num_keys, int64_t padded, PromptScratch& a) {
-  static const uint16_t kZeroRow[kLanes * kMaxVectors] = {};
+  static const uint16_t kZeroRow[kLanes * kMaxVectors] = {};  // zero bits: 0 as bf16 and as fp8
   const int64_t D = p.head_dim, steps = D / 32, out_tiles = D / kLanes;
-  const auto* key_cache = static_cast<const c10::BFloat16*>(p.key_cache);
-  const auto* value_cache = static_cast<const c10::BFloat16*>(p.value_cache);
+  const auto* key_cache = static_cast<const kv_t*>(p.key_cache);
+  const auto* value_cache = static_cast<const kv_t*>(p.value_cache);
   int64_t cached_block_index = -1, block = 0;
-  const auto rows_of = [&](int64_t key, const c10::BFloat16*& k_row, const c10::BFloat16*& v_row) {
+  const auto rows_of = [&](int64_t key, const kv_t*& k_row, const kv_t*& v_row) {
     if (key >= num_keys) {
-      k_row = v_row = reinterpret_cast<const c10::BFloat16*>(kZeroRow);
+      k_row = v_row = reinterpret_cast<const kv_t*>(kZeroRow);
       return;
     }
     if (key / p.block_size != cached_block_index) {
@@ -825,12 +851,12 @@ void pack_prompt_kv(const Problem& p, const WorkItem& item, int64_t num_keys, in
   for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(16 + i);
   const __m512i interleave = _mm512_load_si512(order);
   for (int64_t tile = 0; tile < padded / kChunk; ++tile) {
-    const c10::BFloat16* k_rows[kChunk];
-    const c10::BFloat16* v_rows[kChunk];
+    const kv_t* k_rows[kChunk];
+    const kv_t* v_rows[kChunk];
     for (int64_t j = 0; j < kChunk; ++j) rows_of(tile * kChunk + j, k_rows[j], v_rows[j]);
     for (int64_t s = 0; s < steps; ++s) {  // K: element pairs x keys
       __m512i r[kChunk];
-      for (int64_t j = 0; j < kChunk; ++j) r[j] = _mm512_loadu_si512(k_rows[j] + 32 * s);
+      for (int64_t j = 0; j < kChunk; ++j) r[j] = (__m512i)load32_bf16(k_rows[j] + 32 * s);
       transpose16x16_epi32(r);
       Vec* out = a.k_packed.data() + (tile * steps + s) * kChunk;
       for (int64_t j = 0; j < kChunk; ++j) _mm512_store_si512(out + j, r[j]);
@@ -839,8 +865,8 @@ void pack_prompt_kv(const Problem& p, const WorkItem& item, int64_t num_keys, in
     for (int64_t m = 0; m < kChunk / 2; ++m) {
       const int64_t pair_row = (tile % 2) * (kChunk / 2) + m;
       for (int64_t t = 0; t < out_tiles; ++t) {
-        const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * m] + kLanes * t));
-        const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[2 * m + 1] + kLanes * t));
+        const __m256i first = load16_bf16(v_rows[2 * m] + kLanes * t);
+        const __m256i second = load16_bf16(v_rows[2 * m + 1] + kLanes * t);
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
         _mm512_store_si512(a.v_packed.data() + ((tile / 2) * out_tiles + t) * kChunk + pair_row, _mm512_permutexvar_epi16(interleave, both));
       }
@@ -1057,7 +1083,7 @@ void prompt_row_tile(const Problem& p, const c10::BFloat16* q, int64_t q_stride,
 }
 
 // A prompt work item: its tokens [tile * kPromptTokens, ...) of every query head of its KV head.
-template <typename Products>
+template <typename Products, typename kv_t>
 void attend_prompt(const Problem& p, const WorkItem& item, PromptScratch& a) {
   const int64_t D = p.head_dim;
   const int64_t q_start = p.query_start_loc(item.seq);
@@ -1067,7 +1093,7 @@ void attend_prompt(const Problem& p, const WorkItem& item, PromptScratch& a) {
   const int64_t num_keys = context_before + t1;
   const int64_t padded = (num_keys + kKeyGroup - 1) / kKeyGroup * kKeyGroup;
   a.prepare_prompt(padded, D / kLanes);
-  pack_prompt_kv(p, item, num_keys, padded, a);
+  pack_prompt_kv<kv_t>(p, item, num_keys, padded, a);
   const auto* query = static_cast<const c10::BFloat16*>(p.query);
   auto* out = static_cast<c10::BFloat16*>(p.out);
   for (int64_t g = 0; g < p.group; ++g) {
@@ -1102,22 +1128,6 @@ inline void unpermute_pairs(Vec low, Vec high, Vec& first, Vec& second) {
 #ifdef __AVX512BF16__
 // ---- bf16 decodes through vdpbf16ps (no AMX) --------------------------------------------------
 //
-// 32 elements of a cache row as bf16: a bf16 row as it is; an fp8 (e4m3fn) row widened exactly,
-// every e4m3 value being a bf16 value, in 16-bit integer lanes: a normal code's exponent and
-// mantissa shifted into bf16's fields, the exponent rebiased (+120); a subnormal code (exponent 0)
-// is m * 2^-9, m = 0..7, from a table; 0x7f / 0xff are NaN. Through load16's fp32 (16 lanes and a
-// conversion per 16 elements) the conversion was most of an fp8 decode's time.
-alignas(64) constexpr uint16_t kE4m3SubnormalBf16[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
-inline __m512bh load32_bf16(const c10::BFloat16* src) { return (__m512bh)_mm512_loadu_si512(src); }
-inline __m512bh load32_bf16(const c10::Float8_e4m3fn* src) {
-  const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
-  __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
-  bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8)), magnitude,
-                                       _mm512_load_si512(kE4m3SubnormalBf16));
-  bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
-  return (__m512bh)_mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
-}
 //
 // chunk_rows converts every K and V row to fp32 and multiplies in fp32: on a CPU without AMX
 // those conversions and FMAs are most of a decode's attention when its K/V are in cache. Here
@@ -1611,15 +1621,16 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 template <typename q_t, typename kv_t, int kVectors>
 void attend_item(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch& a) {
 #ifdef __AVX512BF16__
-  if constexpr (std::is_same<q_t, c10::BFloat16>::value && std::is_same<kv_t, c10::BFloat16>::value) {
+  if constexpr (std::is_same<q_t, c10::BFloat16>::value &&
+                (std::is_same<kv_t, c10::BFloat16>::value || std::is_same<kv_t, c10::Float8_e4m3fn>::value)) {
     if (item.prompt) {  // planned only where it applies (plan_items)
 #ifdef __AMX_BF16__
       if (amx_usable()) {
         a.configure(kPromptConfig);
-        return attend_prompt<TileProducts>(p, item, a);
+        return attend_prompt<TileProducts, kv_t>(p, item, a);
       }
 #endif
-      return attend_prompt<DotProducts>(p, item, a);
+      return attend_prompt<DotProducts, kv_t>(p, item, a);
     }
   }
 #endif
@@ -1873,9 +1884,9 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_cac
     p.vs_stride_b = vs.stride_b;
     p.vs_stride_h = vs.stride_h;
   }
-  // bf16 prompt chunks take the prompt route where it is built (attend_prompt: AMX tiles where the
-  // CPU and Linux allow them, vdpbf16ps elsewhere).
-  const bool prompt_route = kPromptRoute && q_type == at::kBFloat16 && kv_type == at::kBFloat16 && head_dim % 64 == 0;
+  // bf16 prompt chunks on a bf16 or fp8 cache take the prompt route where it is built (attend_prompt:
+  // AMX tiles where the CPU and Linux allow them, vdpbf16ps elsewhere; fp8 rows widened as packed).
+  const bool prompt_route = kPromptRoute && q_type == at::kBFloat16 && (kv_type == at::kBFloat16 || fp8) && head_dim % 64 == 0;
   const Plan plan = plan_items(p, num_seqs, num_tokens, num_kv_heads, !fp8 && !int8 && !prompt_route, prompt_route);
   const std::vector<WorkItem>& items = plan.items;
   const int64_t workers = plan.work < kMinParallelWork ? 1 : std::min<int64_t>(at::get_num_threads(), items.size());

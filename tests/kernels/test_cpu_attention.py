@@ -240,9 +240,11 @@ def test_bf16_decodes_of_every_group_match_the_torch_path_and_read_nothing_past_
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_bf16_prompt_chunks_match_the_torch_path_and_read_nothing_past_the_context(head_dim: int, block_size: int) -> None:
-    # bf16 chunks of >= 8 tokens take the prompt route wherever AVX-512 BF16 is built, in AMX tiles
-    # where the CPU has them, else in vdpbf16ps (a tile: 16 tokens
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8])
+def test_bf16_prompt_chunks_match_the_torch_path_and_read_nothing_past_the_context(
+        head_dim: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    # bf16 chunks of >= 8 tokens on a bf16 or fp8 cache take the prompt route wherever AVX-512 BF16
+    # is built, in AMX tiles where the CPU has them, else in vdpbf16ps (a tile: 16 tokens
     # of one head; work items of 64 tokens; softmax segments of 512 keys): fresh prompts of 16, 17
     # (a last tile of one row), 65 (one token past an item) and 600 (past a segment); chunks after
     # earlier context ending mid-block (64 after 36, 530 after 570: rows on both sides of a
@@ -250,7 +252,7 @@ def test_bf16_prompt_chunks_match_the_torch_path_and_read_nothing_past_the_conte
     seq_lens, query_lens = [16, 17, 65, 600, 100, 1100, 40, 30, 9], [16, 17, 65, 600, 64, 530, 20, 8, 1]
     for num_kv_heads, group in [(2, 1), (3, 3), (1, 8)]:
         batch = make_batch(seq_lens, query_lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=torch.bfloat16,
-                           block_size=block_size, seed=head_dim + block_size + group)
+                           kv_dtype=kv_dtype, block_size=block_size, seed=head_dim + block_size + group)
         _poison_past_contexts(batch)
         fused = torch.cat([batch.query, torch.randn_like(batch.query)], dim=1)  # [T, 2 * heads, D]: a qkv split's view
         query = fused[:, : batch.query.shape[1]]
