@@ -3,7 +3,7 @@
 It reads K/V straight from the cache blocks through the block tables: no per-layer copy of any
 request's context, one pass over each (request, KV head)'s blocks with an online softmax in fp32.
 bf16 caches use AMX tile multiplications where the CPU has them (Sapphire Rapids and later) and
-Linux grants the tile state; without AMX, decodes of a bf16 model on a bf16 or fp8 cache take
+Linux grants the tile state; without AMX, decodes of a bf16 model on a bf16, fp8 or int8 cache take
 vdpbf16ps where AVX-512 BF16 is built (AMD Zen 4 and later), in segments of 256 keys with one
 softmax step each; elsewhere the AVX-512 (or portable) loop serves.
 Prompt chunks of bf16 models on a bf16 or fp8 cache take a route of their own wherever AVX-512

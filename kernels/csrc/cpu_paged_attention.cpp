@@ -39,7 +39,7 @@
 // vdpbf16ps; elsewhere fresh prompts of 64+ tokens go to torch's SDPA (kSdpaMinTokens).
 // Without AMX, a bf16 tile of one token's rows (a decode) with AVX-512 BF16 (AMD Zen 4 and later,
 // Cooper Lake) takes both products in vdpbf16ps on the cache's bf16 rows as they are, or on an
-// fp8 cache's rows widened to bf16 (segment_dot: segments of 256 keys, one softmax step each, as
+// fp8 or int8 cache's rows widened to bf16 (segment_dot: segments of 256 keys, one softmax step each, as
 // the AMX route), instead of converting every K/V row to fp32 first. On AVX2 CPUs without
 // AVX-512 (AMD Zen 2/3, older Intel), fp32, bf16 and fp16 caches take each tile's rows one at a
 // time through a chunk in native 8-lane registers (chunk_avx2).
@@ -453,6 +453,8 @@ struct KeyChunkOf {
   const kv_t* k_rows;
   const kv_t* v_rows;
   int64_t n, first_key;
+  const float* k_scales = nullptr;  // an int8 cache's n per-key scales (else null)
+  const float* v_scales = nullptr;
 };
 using KeyChunk = KeyChunkOf<c10::BFloat16>;  // the AMX route's
 constexpr int64_t kPromptTokens = 64;  // a prompt work item's query tokens (each of the group's heads)
@@ -748,6 +750,9 @@ inline __m512i e4m3_to_bf16(__m512i code) {  // 32 codes, one per 16-bit lane
 inline __m512bh load32_bf16(const c10::BFloat16* src) { return (__m512bh)_mm512_loadu_si512(src); }
 inline __m512bh load32_bf16(const c10::Float8_e4m3fn* src) {
   return (__m512bh)e4m3_to_bf16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+}
+inline __m512bh load32_bf16(const int8_t* src) {  // |code| <= 128: exact in bf16
+  return _mm512_cvtne2ps_pbh((__m512)load16(src + kLanes), (__m512)load16(src));  // (high half, low half)
 }
 inline __m256i load16_bf16(const c10::BFloat16* src) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)); }
 inline __m256i load16_bf16(const c10::Float8_e4m3fn* src) {
@@ -1156,6 +1161,9 @@ inline void unpermute_pairs(Vec low, Vec high, Vec& first, Vec& second) {
 // An fp8 cache (bf16 queries) takes the same route, its rows widened to bf16 as they are loaded
 // (load32_bf16), its scales in score_scale and out_scale as everywhere: 64 decodes of 256 tokens
 // 844 -> 468 us a call, against the fp32 loop it took before (measured as above, --dtypes fp8).
+// An int8 cache too: its per-key scales multiply the scores, its per-value scales the weights P x V
+// reads (the row sums stay of the unscaled weights, as in chunk_rows); W64 offline with
+// --kv-cache-dtype int8 1.06x and 1.10x in two alternating pairs against the fp32 loop.
 // A bf16 x bf16 product is exact in fp32: the scores differ from chunk_rows' only in the order of
 // their sums. Only tiles whose rows are one token's (decodes: every row sees every key of every
 // chunk it reads) and no window take it, so a chunk's V rows are all seen and a missing partner
@@ -1186,8 +1194,9 @@ void segment_dot(const KeyChunkOf<kv_t>* chunks, int64_t count, int64_t k_stride
         parts[r * kChunk + j] = (Vec)sum;
       }
     }
+    const Vec key_scale = chunk.k_scales ? load_scales(chunk.k_scales, chunk.n) : Vec{} + 1.0f;
     for (int r = 0; r < kRB; ++r) {  // lanes past n hold stale parts: masked
-      const Vec scaled = reduce16(parts + r * kChunk) * score_scale;
+      const Vec scaled = reduce16(parts + r * kChunk) * score_scale * key_scale;
       const Vec capped = soft_cap > 0.0f ? soft_cap16(scaled, soft_cap) : scaled;
       scores[r][c] = lane < static_cast<float>(chunk.n) ? capped : minus_inf;
       segment_max[r] = vmax(segment_max[r], scores[r][c]);
@@ -1200,8 +1209,9 @@ void segment_dot(const KeyChunkOf<kv_t>* chunks, int64_t count, int64_t k_stride
     Vec sum{};
     for (int64_t c = 0; c < count; ++c) {
       const Vec weight = exp_nonpositive(scores[r][c] - new_max);
-      sum += weight;
-      const __m256bh rounded = _mm512_cvtneps_pbh((__m512)weight);
+      sum += weight;  // the row sums are of the unscaled weights: only P x V sees a value's scale
+      const Vec pv_weight = chunks[c].v_scales ? weight * load_scales(chunks[c].v_scales, chunks[c].n) : weight;
+      const __m256bh rounded = _mm512_cvtneps_pbh((__m512)pv_weight);
       std::memcpy(weight_pairs[r][c], &rounded, sizeof(rounded));
     }
     correction[r] = new_max > row_max[r] ? std::exp(row_max[r] - new_max) : 1.0f;  // 0 on the first segment
@@ -1433,7 +1443,8 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   const bool amx = kAmxType && rows <= kAmxMaxRows && p.window == 0 && amx_usable();  // AMX segments mask causally only
   // Without AMX, one token's rows of a bf16 cache take the bf16 dot products (see segment_dot).
   constexpr bool kDotType = kDotRoute && std::is_same<q_t, c10::BFloat16>::value &&
-                            (std::is_same<kv_t, c10::BFloat16>::value || std::is_same<kv_t, c10::Float8_e4m3fn>::value) &&
+                            (std::is_same<kv_t, c10::BFloat16>::value || std::is_same<kv_t, c10::Float8_e4m3fn>::value ||
+                             std::is_same<kv_t, int8_t>::value) &&
                             kVectors > 0 && kVectors % 2 == 0;
   const bool dot = kDotType && !amx && t1 - t0 == 1 && p.window == 0;
   // On AVX2 CPUs (no AVX-512), every tile of an fp32, bf16 or fp16 cache (see chunk_avx2).
@@ -1548,7 +1559,7 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
 #ifdef __AVX512BF16__
       if constexpr (kDotType) {
         if (dot) {
-          segment[segment_count++] = KeyChunkOf<kv_t>{k_rows, v_rows, n, first_key};
+          segment[segment_count++] = KeyChunkOf<kv_t>{k_rows, v_rows, n, first_key, k_scales, v_scales};
           if (segment_count == kSegmentChunks) dot_segment();
           continue;
         }
