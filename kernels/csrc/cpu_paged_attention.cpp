@@ -34,13 +34,14 @@
 // bf16 caches on CPUs with AMX take another route for tiles of <= 16 rows (decodes included): the
 // two products as tile matrix multiplications, the softmax per segment of 256 keys (segment_amx).
 // bf16 chunks of 8 or more tokens (prompts, later chunks of one) on a bf16 or fp8 cache take a
-// route of their own wherever AVX-512 BF16 is built: tiles of 16 tokens of one query head against K/V packed once per
-// work item in the tile layouts (attend_prompt), multiplied in AMX tiles, or where there are none in
-// vdpbf16ps; elsewhere fresh prompts of 64+ tokens go to torch's SDPA (kSdpaMinTokens).
+// route of their own wherever AVX-512 BF16 is built: tiles of 16 tokens of one query head against
+// K/V packed once per work item in the tile layouts (attend_prompt), multiplied in AMX tiles, or
+// where there are none in vdpbf16ps; elsewhere fresh prompts of 64+ tokens go to torch's SDPA
+// (kSdpaMinTokens).
 // Without AMX, a bf16 tile of one token's rows (a decode) with AVX-512 BF16 (AMD Zen 4 and later,
 // Cooper Lake) takes both products in vdpbf16ps on the cache's bf16 rows as they are, or on an
-// fp8 or int8 cache's rows widened to bf16 (segment_dot: segments of 256 keys, one softmax step each, as
-// the AMX route), instead of converting every K/V row to fp32 first. On AVX2 CPUs without
+// fp8 or int8 cache's rows widened to bf16 (segment_dot: segments of 256 keys, one softmax step
+// each, as the AMX route), instead of converting every K/V row to fp32 first. On AVX2 CPUs without
 // AVX-512 (AMD Zen 2/3, older Intel), fp32, bf16 and fp16 caches take each tile's rows one at a
 // time through a chunk in native 8-lane registers (chunk_avx2).
 
@@ -733,11 +734,12 @@ struct AmxScratch {
 
 #ifdef __AVX512BF16__
 // Cache rows as bf16, 32 or 16 elements (the prompt route packs them, the decodes' vdpbf16ps route
-// multiplies them): a bf16 row as it is; an fp8 (e4m3fn) row widened
-// exactly, every e4m3 value being a bf16 value, in 16-bit integer lanes: a normal code's exponent
-// and mantissa shifted into bf16's fields, the exponent rebiased (+120); a subnormal code
-// (exponent 0) is m * 2^-9, m = 0..7, from a table; 0x7f / 0xff are NaN. Through load16's fp32
-// (16 lanes and a conversion per 16 elements) the conversion was most of an fp8 decode's time.
+// multiplies them): a bf16 row as it is; an int8 row through load16's fp32 (|code| <= 128 is
+// exact in bf16); an fp8 (e4m3fn) row widened exactly, every e4m3 value being a bf16 value, in
+// 16-bit integer lanes: a normal code's exponent and mantissa shifted into bf16's fields, the
+// exponent rebiased (+120); a subnormal code (exponent 0) is m * 2^-9, m = 0..7, from a table;
+// 0x7f / 0xff are NaN. Through load16's fp32 (16 lanes and a conversion per 16 elements) the
+// conversion was most of an fp8 decode's time.
 alignas(64) constexpr uint16_t kE4m3SubnormalBf16[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
 inline __m512i e4m3_to_bf16(__m512i code) {  // 32 codes, one per 16-bit lane
   const __m512i magnitude = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
@@ -1133,7 +1135,6 @@ inline void unpermute_pairs(Vec low, Vec high, Vec& first, Vec& second) {
 #ifdef __AVX512BF16__
 // ---- bf16 decodes through vdpbf16ps (no AMX) --------------------------------------------------
 //
-//
 // chunk_rows converts every K and V row to fp32 and multiplies in fp32: on a CPU without AMX
 // those conversions and FMAs are most of a decode's attention when its K/V are in cache. Here
 // both products take the cache's bf16 rows as they are, a segment of up to kSegmentChunks chunks
@@ -1441,7 +1442,8 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
   // A bf16 tile of up to 16 rows goes through AMX where the CPU and the OS allow it (see segment_amx).
   constexpr bool kAmxType = kAmx && std::is_same<kv_t, c10::BFloat16>::value && kVectors > 0 && kVectors % 4 == 0;
   const bool amx = kAmxType && rows <= kAmxMaxRows && p.window == 0 && amx_usable();  // AMX segments mask causally only
-  // Without AMX, one token's rows of a bf16 cache take the bf16 dot products (see segment_dot).
+  // Without AMX, one token's rows of a bf16 model on a bf16, fp8 or int8 cache take the bf16 dot
+  // products (see segment_dot).
   constexpr bool kDotType = kDotRoute && std::is_same<q_t, c10::BFloat16>::value &&
                             (std::is_same<kv_t, c10::BFloat16>::value || std::is_same<kv_t, c10::Float8_e4m3fn>::value ||
                              std::is_same<kv_t, int8_t>::value) &&
@@ -1550,21 +1552,21 @@ void attend_tile(const Problem& p, const WorkItem& item, Scratch& s, AmxScratch&
         }
       }
 #endif
-      // Row r is token t0 + r / group: it sees keys up to its position.
-      for (int64_t r = 0; r < rows; ++r) visible[r] = std::min(n, context_before_tile + r / group - first_key + 1);
-      if (p.window > 0) {  // row r sees keys from its position - w + 1 on
-        for (int64_t r = 0; r < rows; ++r) hidden[r] = context_before_tile + r / group - p.window + 1 - first_key;
-        if (hidden[0] >= n) continue;  // later rows start later: no row sees this chunk
-      }
 #ifdef __AVX512BF16__
       if constexpr (kDotType) {
-        if (dot) {
+        if (dot) {  // a decode without a window: every row sees every key, no masks to compute
           segment[segment_count++] = KeyChunkOf<kv_t>{k_rows, v_rows, n, first_key, k_scales, v_scales};
           if (segment_count == kSegmentChunks) dot_segment();
           continue;
         }
       }
 #endif
+      // Row r is token t0 + r / group: it sees keys up to its position.
+      for (int64_t r = 0; r < rows; ++r) visible[r] = std::min(n, context_before_tile + r / group - first_key + 1);
+      if (p.window > 0) {  // row r sees keys from its position - w + 1 on
+        for (int64_t r = 0; r < rows; ++r) hidden[r] = context_before_tile + r / group - p.window + 1 - first_key;
+        if (hidden[0] >= n) continue;  // later rows start later: no row sees this chunk
+      }
 #ifdef KVSERVE_AVX2_ROUTE
       if constexpr (kAvx2Type) {
         if (avx2) {
