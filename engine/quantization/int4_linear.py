@@ -6,7 +6,8 @@ Two matmuls, chosen once per layer when it is built (`kernel`):
   call to int8 in groups of 32, integer dot products by `vpdpbusd`, fp16 scales. At one row it
   takes ~0.45x the time of torch's op on SmolLM2's layers with the weights in cache
   (benchmarks/quant_gemm.py), for the same bytes; from memory, as in a forward, both are
-  bandwidth-bound on a busy 2-core machine (~level). The activations' int8 rounding is what
+  bandwidth-bound on a busy 2-core Sapphire Rapids (~level); on a 2-core Zen 4 single-stream
+  decode took 0.69x torch's time (benchmarks/int4_single_stream.py). The activations' int8 rounding is what
   llama.cpp pays too (KL from bf16 0.0070 against 0.0040: benchmarks/quant_accuracy.py).
 - "torch": torch's `_weight_int4pack_mm_for_cpu` (any group size, any x86 CPU): at one row it
   reads a quarter of bf16's bytes and runs ~3x faster than bf16 `F.linear`, but it dequantizes to

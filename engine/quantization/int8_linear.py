@@ -1,15 +1,18 @@
 """Int8Linear: int8 weights with one scale per output channel (symmetric).
 
-Which matmul runs depends on the row count, because the candidates win in different places
-(benchmarks/quant_variants.py, Sapphire Rapids, SmolLM2's shapes, interleaved in one process):
-- few rows (a single stream, a handful of decodes): a packed op. Where the CPU has AVX-512 VNNI
-  (kernel "vnni", kernels/cpu_quant_gemm.py), kvserve's own: activations quantized to int8 per
-  group of 32, integer products (benchmarks/quant_gemm.py: ~0.6x the time of torch's op at one
-  row); else ("torch") torch's `_weight_int8pack_mm`, which reads half the bytes of bf16 and is
-  ~2x faster than bf16 `F.linear` at one row, activations untouched;
-- many rows: those ops do not use AMX and fall to ~5x slower than bf16 at 64 rows, while casting
-  the weight to the activation dtype and running the ordinary (AMX) matmul costs ~1.5-2x bf16.
-The branch is on the row count, a shape, so torch.compile guards on it rather than breaking.
+Two matmuls, chosen once per layer when it is built (`kernel`):
+- "vnni" (where the CPU has AVX-512 VNNI and a compiler builds it): kvserve's own kernel
+  (kernels/cpu_quant_gemm.py), activations quantized to int8 per group of 32, integer products,
+  at every row count. Measured on a 2-core Zen 4 (SmolLM2's shapes and its lm_head, weights in
+  cache): 1.4-8x faster than torch's route below at 17-1024 rows, ~0.5x its time at one row. Its
+  weights live only in the kernel's layout: casting them back per call for an ordinary matmul
+  (what this layer did past 16 rows) took 75-80 ms for the int4 mode's lm_head, against 2.7-27 ms.
+- "torch": torch's `_weight_int8pack_mm` up to PACKED_MAX_ROWS rows (half the bytes of bf16, ~2x
+  faster than bf16 `F.linear` at one row, activations untouched), and past them the weight cast to
+  the activation dtype for the ordinary (AMX) matmul, because torch's op does not use AMX and falls
+  to ~5x slower than bf16 at 64 rows while the cast costs ~1.5-2x bf16 (benchmarks/quant_variants.py,
+  Sapphire Rapids). That branch is on the row count, a shape, so torch.compile guards on it rather
+  than breaking.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.cpu_quant_gemm import int8_gemm, int8_gemm_compatible, pack_int8, quant_gemm_available, unpack_int8
+from kvserve.kernels.cpu_quant_gemm import int8_gemm, int8_gemm_compatible, pack_int8, quant_gemm_available
 
 # Up to this many rows the packed op is faster than cast + matmul (measured crossover: 12-16 rows).
 PACKED_MAX_ROWS = 16
@@ -46,8 +49,8 @@ def quantize_int8(weight: torch.Tensor, reduce_max: ReduceMax | None = None) -> 
 
 class Int8Linear(nn.Module):
     """`packed` None: `qweight` [N, K] and `scale` serve torch's op; else `packed` is the VNNI
-    kernel's layout (weights and their scales inside it), `qweight` is None, and `scale` serves
-    the many-row matmul."""
+    kernel's layout (weights and their scales inside it) for every row count, `qweight` is None,
+    and `scale` is only the channels' scales on record."""
 
     def __init__(self, qweight: torch.Tensor | None, scale: torch.Tensor, bias: torch.Tensor | None,
                  packed: torch.Tensor | None = None, shape: tuple[int, int] | None = None) -> None:
@@ -84,13 +87,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= PACKED_MAX_ROWS:
-            if self.vnni:
-                out = int8_gemm(rows, self.packed)
-            else:
-                out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
-        elif self.vnni:
-            out = F.linear(rows, unpack_int8(self.packed).to(rows.dtype)) * self.scale
+        if self.vnni:
+            out = int8_gemm(rows, self.packed)
+        elif rows.shape[0] <= PACKED_MAX_ROWS:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)
         else:
             out = F.linear(rows, self.qweight.to(rows.dtype)) * self.scale
         if self.bias is not None:

@@ -41,12 +41,14 @@ OUTPUT_LAYER_MODE = {"int8": "int8", "int4": "int8"}
 # tensor-parallel shard computes what the unsharded layer does up to float32 summation order).
 # An environment variable because every tensor-parallel worker process reads it.
 KERNEL_ENV = "KVSERVE_QUANT_KERNEL"
-# torch's ops unless asked: on a quiet machine single-stream int4 decode ran level on both
-# (median per-round ratio 1.00x over 3 alternating rounds of benchmarks/int4_single_stream.py,
-# both 1.31-1.32x llama.cpp's llama-bench on the same GGUF: the 66 MB of int4 layers come from
-# memory either way), and the kernels' int8-rounded activations move further from bf16 (mean KL
-# 0.0070 against 0.0040 nat/token, benchmarks/quant_accuracy.py).
-DEFAULT_KERNEL = "torch"
+# The VNNI kernels wherever they run: on a 2-core AMD EPYC Zen 4 they take 0.36-0.5x the time of
+# torch's ops on the model's layers at 1-256 rows (benchmarks/quant_gemm.py, weights in cache) and
+# single-stream int4 decode 0.69x (7.5 vs 11.0 ms/token; 0.87x llama.cpp's llama-bench on the same
+# GGUF, 3 alternating rounds of benchmarks/int4_single_stream.py); on a Sapphire Rapids and an
+# AVX-512 Xeon, where the int4 layers' bytes from memory bound both, single stream ran level. The
+# price is llama.cpp's own: activations rounded to int8 in groups of 32 (mean KL from bf16 0.0070
+# against torch's 0.0040 nat/token, benchmarks/quant_accuracy.py).
+DEFAULT_KERNEL = "auto"
 # The output layer, or its inner linear under tensor parallelism (engine/model/parallel_layers.py).
 OUTPUT_LAYER_NAMES = ("lm_head", "lm_head.linear")
 

@@ -12,6 +12,7 @@ import torch
 from kvserve.engine.compilation import symbolic_sizes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
+from kvserve.engine.quantization.quantize_model import KERNEL_ENV
 from tests.engine.test_model_runner import CONFIG, Seq, prepare, step, tiny_runner
 
 
@@ -99,9 +100,10 @@ def test_direct_layer_calls_read_their_inputs_without_dynamos_disabling_wrappers
 
 
 @pytest.mark.slow
-def test_a_layer_that_branches_on_the_row_count_runs_the_graph_of_its_branch() -> None:
-    # int8 layers call the packed int8 op up to PACKED_MAX_ROWS rows and cast + matmul above: the
-    # warm-up's graphs (1 and 3 rows) must not serve a 20-row step.
+def test_a_layer_that_branches_on_the_row_count_runs_the_graph_of_its_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # int8 layers on torch's ops call the packed int8 op up to PACKED_MAX_ROWS rows and cast +
+    # matmul above: the warm-up's graphs (1 and 3 rows) must not serve a 20-row step.
+    monkeypatch.setenv(KERNEL_ENV, "torch")
     runner = tiny_runner(compiled=True, quantization="int8")
     runner.warm_up()
     assert runner.graphs_bound
