@@ -107,8 +107,10 @@ def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None
         setattr(parent, name, replacement)
         quantized.append(full_name)
     summary = QuantizationSummary(mode, tuple(quantized), tuple(kept), before, after)
-    logger.info("quantization %s: %d linear layers converted (%.1f MiB -> %.1f MiB)%s", mode, len(quantized),
-                before / 2**20, after / 2**20, f"; kept in {_dtype_of(model)}: {', '.join(kept)}" if kept else "")
+    on_vnni = sum(bool(getattr(model.get_submodule(n), "vnni", False)) for n in quantized)
+    logger.info("quantization %s: %d linear layers converted (%.1f MiB -> %.1f MiB), %d on kvserve's VNNI kernels, "
+                "%d on torch's ops%s", mode, len(quantized), before / 2**20, after / 2**20, on_vnni,
+                len(quantized) - on_vnni, f"; kept in {_dtype_of(model)}: {', '.join(kept)}" if kept else "")
     return summary
 
 
