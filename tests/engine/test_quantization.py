@@ -13,10 +13,11 @@ from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
 from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model
 from kvserve.engine.quantization.int4_linear import quantize_int4
+from kvserve.engine.quantization import int8_linear
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS, quantize_int8
 from kvserve.engine.quantization.quantize_model import KERNEL_ENV
 from kvserve.kernels import TorchAttentionBackend
-from kvserve.kernels.cpu_quant_gemm import quant_gemm_available
+from kvserve.kernels.cpu_quant_gemm import int8_gemm, quant_gemm_available
 
 # Both sides of Int8Linear's row-count switch on torch's ops, and a 3-D input.
 ROW_SHAPES = [(1,), (PACKED_MAX_ROWS,), (PACKED_MAX_ROWS + 1,), (2, 40)]
@@ -100,8 +101,29 @@ def test_int8_linear_on_the_vnni_kernel_matches_torch_s(rows) -> None:
     assert vnni.vnni and not plain.vnni and vnni.qweight is None
     x = torch.randn(rows, 64).to(torch.bfloat16)
     expected = plain(x).float()
-    # Few rows: int8 activations per group of 32 (~0.5% of the output's scale); many: the same matmul.
+    # int8 activations per group of 32: ~0.5% of the output's scale, at every row count.
     assert (vnni(x).float() - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, PACKED_MAX_ROWS + 1, 300])
+def test_a_vnni_int8_layer_runs_its_kernel_at_every_row_count(rows, monkeypatch) -> None:
+    # Its weights exist only in the kernel's layout: casting them back per call for an ordinary
+    # matmul (what it did past PACKED_MAX_ROWS rows) cost ~30x the kernel's time on an lm_head.
+    if not quant_gemm_available():
+        pytest.skip("no AVX-512 VNNI or no C++ compiler here")
+    layer = Int8Linear.from_linear(_linear(96, 64, torch.bfloat16, False), kernel="vnni")
+    calls = []
+    monkeypatch.setattr(int8_linear, "int8_gemm", lambda x, packed: calls.append(x.shape[0]) or int8_gemm(x, packed))
+    monkeypatch.setattr(int8_linear, "F", None)  # any other matmul route fails loudly
+    assert layer(torch.randn(rows, 64).to(torch.bfloat16)).shape == (rows, 96)
+    assert calls == [rows]
+
+
+def test_quantized_layers_take_the_vnni_kernels_by_default_where_they_run(monkeypatch) -> None:
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    quantize_model(model, "int8")
+    assert [layer.vnni for layer in model] == [quant_gemm_available()] * 2
 
 
 def test_the_kernel_comes_from_the_environment_where_not_given(monkeypatch) -> None:
