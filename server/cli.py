@@ -93,7 +93,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                            help="paged-attention implementation"),
         model.add_argument("--quantization", choices=SUPPORTED_QUANTIZATIONS, default=None,
                            help="weight-only quantization of the linear layers, on CPU: int8 (per channel) or int4 "
-                                "(groups of 32); faster for few concurrent streams (default: none, the --dtype weights)"),
+                                "(groups of 32), on kvserve's VNNI kernels where the CPU has AVX-512 VNNI; faster for few "
+                                "concurrent streams (default: none, the --dtype weights)"),
         model.add_argument("--cpu-threads", type=_positive_int, default=None,
                            help="torch intra-op threads (default: $OMP_NUM_THREADS if set, else the CPUs this process "
                                 "may use: its affinity mask, capped by its cgroup CPU quota)"),

@@ -100,7 +100,8 @@ def test_direct_layer_calls_read_their_inputs_without_dynamos_disabling_wrappers
 
 
 @pytest.mark.slow
-def test_a_layer_that_branches_on_the_row_count_runs_the_graph_of_its_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_layer_that_branches_on_the_row_count_runs_the_graph_of_its_branch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # int8 layers on torch's ops call the packed int8 op up to PACKED_MAX_ROWS rows and cast +
     # matmul above: the warm-up's graphs (1 and 3 rows) must not serve a 20-row step.
     monkeypatch.setenv(KERNEL_ENV, "torch")
