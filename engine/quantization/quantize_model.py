@@ -92,7 +92,7 @@ def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None
         raise ValueError(f"quantized kernel ({KERNEL_ENV}) must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if int4_group_size not in GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {int4_group_size}")
-    quantized, kept, before, after = [], [], 0, 0
+    quantized, kept, before, after, on_vnni = [], [], 0, 0, 0
     targets = [(f"{parent_name}.{name}".lstrip("."), parent, name, child)
                for parent_name, parent in model.named_modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
@@ -104,10 +104,10 @@ def quantize_model(model: nn.Module, mode: str, *, output_layer_mode: str | None
             continue
         before += linear.weight.numel() * linear.weight.element_size()
         after += sum(b.numel() * b.element_size() for b in replacement.buffers())
+        on_vnni += replacement.vnni
         setattr(parent, name, replacement)
         quantized.append(full_name)
     summary = QuantizationSummary(mode, tuple(quantized), tuple(kept), before, after)
-    on_vnni = sum(bool(getattr(model.get_submodule(n), "vnni", False)) for n in quantized)
     logger.info("quantization %s: %d linear layers converted (%.1f MiB -> %.1f MiB), %d on kvserve's VNNI kernels, "
                 "%d on torch's ops%s", mode, len(quantized), before / 2**20, after / 2**20, on_vnni,
                 len(quantized) - on_vnni, f"; kept in {_dtype_of(model)}: {', '.join(kept)}" if kept else "")

@@ -11,9 +11,8 @@ from torch import nn
 from kvserve.engine.attention_metadata import build_flat_batch
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.model_config import ModelConfig
-from kvserve.engine.quantization import Int4Linear, Int8Linear, quantize_model
+from kvserve.engine.quantization import Int4Linear, Int8Linear, int8_linear, quantize_model
 from kvserve.engine.quantization.int4_linear import quantize_int4
-from kvserve.engine.quantization import int8_linear
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS, quantize_int8
 from kvserve.engine.quantization.quantize_model import KERNEL_ENV
 from kvserve.kernels import TorchAttentionBackend
