@@ -23,7 +23,7 @@ from kvserve.engine.input_batch import CachedRequestState, InputBatch
 from kvserve.engine.kv_cache_tensors import KVCacheTensors
 from kvserve.engine.model.fused_decode import FusedDecodeLayers
 from kvserve.engine.model.model_config import ModelConfig
-from kvserve.engine.model.packed_linear import FEW_ROWS_MAX, NARROW_ROWS_MAX
+from kvserve.engine.model.packed_linear import FEW_ROWS_MAX
 from kvserve.engine.model.protocol import CausalLM
 from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from kvserve.engine.quantization.int8_linear import PACKED_MAX_ROWS
@@ -199,16 +199,18 @@ class ModelRunner:
         """Runs the forward on the kinds of step that get their own compiled graph: one token,
         several requests with a decode and a prompt chunk, and the same with more rows than the
         layers' few-row kernels take (bf16 and int8 layers branch on the row count: FEW_ROWS_MAX,
-        PACKED_MAX_ROWS; narrow bf16 layers also at NARROW_ROWS_MAX, where a step of
-        `max_step_tokens`, the token budget, can pass it), so that no step compiles while serving.
+        PACKED_MAX_ROWS; bf16 layers with a higher limit (packed_linear.few_rows_limit) at theirs,
+        where a step of `max_step_tokens`, the token budget, can pass it), so that no step compiles
+        while serving.
         Writes only into block 0, which holds nothing yet. Compiled, the first warm-up then binds
         the layers straight to their compiled graphs (compilation.bind_compiled_graphs)."""
         wide_chunk = max(2, FEW_ROWS_MAX + 1 - 16, PACKED_MAX_ROWS + 1 - 16)
         steps = [[1], [1, 2], [1] * 16 + [wide_chunk]]
-        if (max_step_tokens or 0) > NARROW_ROWS_MAX and any(
-                getattr(module, "few_rows_max", 0) > FEW_ROWS_MAX for module in self.model.modules()):
+        higher_limits = {module.few_rows_max for module in self.model.modules()
+                         if getattr(module, "packed_weight", None) is not None} - {FEW_ROWS_MAX}
+        for limit in sorted(limit for limit in higher_limits if limit < (max_step_tokens or 0)):
             # Chunks of a widely supported length (a context of 64 tokens), together past the limit.
-            steps.append([1] * 16 + [64] * (NARROW_ROWS_MAX // 64) + [1])
+            steps.append([1] * 16 + [64] * (limit // 64) + [1])
         forwards = [functools.partial(self._warm_up_forward, lens) for lens in steps]
         if self.compiled and not self.graphs_bound:
             self.graphs_bound = bind_compiled_graphs(self.model, forwards)

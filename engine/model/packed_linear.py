@@ -24,7 +24,9 @@ a third of the memory bandwidth, and up to ~128 rows (decode steps) kvserve's ow
 blocking is faster too; there kvserve's bf16 kernel (kernels/cpu_bf16_gemm.py) runs from a
 second copy of the weights in its own layout, and oneDNN keeps the larger row counts (prompt
 chunks), but for narrow layers on CPUs with AMX (NARROW_OUT_FEATURES), where oneDNN blocks some
-prompt-chunk row counts badly and the kernel keeps them up to NARROW_ROWS_MAX rows. The two round
+prompt-chunk row counts badly and the kernel keeps them up to NARROW_ROWS_MAX rows, and on CPUs with
+AVX-512 BF16 but no AMX (AMD Zen 4, Cooper Lake), where the kernel's vector passes beat oneDNN's
+matmul up to VECTOR_ROWS_MAX rows. The two round
 the same fp32 sums to bf16 but may add them in another order: results agree to bf16's last bit,
 not always bit for bit. The compiled graph branches on the row count, as the quantized layers'
 graphs do.
@@ -61,6 +63,13 @@ FEW_ROWS_MAX = 128
 NARROW_OUT_FEATURES = 1024
 NARROW_IN_FEATURES = 2048
 NARROW_ROWS_MAX = 1024
+# Without AMX tiles, on a CPU with AVX-512 BF16 (the kernel's vdpbf16ps passes of 6 rows x 4 tiles),
+# every layer of at most NARROW_IN_FEATURES inputs keeps the kernel up to VECTOR_ROWS_MAX rows:
+# SmolLM2's layers on a 2-core AMD EPYC Zen 4, weights streaming (benchmarks/bf16_gemm.py --rows
+# 256,512,1024,2048), oneDNN's time over the kernel's 1.02-1.11x at 256-2048 rows (lm_head 1.03x at
+# 512); W64 offline with its 512-token prompt chunks on the kernel 1.02x (4 alternating pairs). More
+# inputs: each pass re-reads the chunk's activations, which no longer stay in cache.
+VECTOR_ROWS_MAX = 2048
 
 # Registration is process-wide by nature (torch's operator registry); this module does it once,
 # on import. Library.define/impl rather than @custom_op, whose per-call checks cost ~20 us: a
@@ -172,9 +181,11 @@ class PackedLinear(nn.Module):
 
 def few_rows_limit(in_features: int, out_features: int, matrix_tiles: bool) -> int:
     """The most rows a layer gives kvserve's bf16 kernel when oneDNN's packed matmul is there too
-    (`matrix_tiles`: the CPU has AMX; the kernel's tile route needs inputs in multiples of 32)."""
-    narrow = (matrix_tiles and out_features <= NARROW_OUT_FEATURES and in_features <= NARROW_IN_FEATURES
-              and in_features % 32 == 0)
+    (`matrix_tiles`: the CPU has AMX; the kernel's tile route needs inputs in multiples of 32;
+    without it, the vector passes: oneDNN's copy exists only where the CPU has AVX-512 BF16)."""
+    if not matrix_tiles:
+        return VECTOR_ROWS_MAX if in_features <= NARROW_IN_FEATURES else FEW_ROWS_MAX
+    narrow = out_features <= NARROW_OUT_FEATURES and in_features <= NARROW_IN_FEATURES and in_features % 32 == 0
     return NARROW_ROWS_MAX if narrow else FEW_ROWS_MAX
 
 

@@ -100,10 +100,12 @@ def test_small_steps_run_the_op_and_match_the_compiled_layers_bit_for_bit(monkey
         expected = run_steps(compiled, PLAN, _seqs())
         assert rows == []
         got = run_steps(fused, PLAN, _seqs())
-    # Every step but the long prompt's own (140 rows, past the few-row kernel) went through the op.
+    # Every step within the few-row kernel's rows went through the op: all but the long prompt's own
+    # (140 rows) where oneDNN takes prompt chunks past FEW_ROWS_MAX, every step where the kernel
+    # keeps them (AVX-512 BF16 without AMX: VECTOR_ROWS_MAX).
     max_rows = fused.model.fused_layers.max_rows
-    assert max_rows < 140
-    assert rows == [sum(n for _, n in plan_step) for plan_step in PLAN[1:]]
+    step_rows = [sum(n for _, n in plan_step) for plan_step in PLAN]
+    assert rows == [n for n in step_rows if n <= max_rows] and len(rows) >= len(PLAN) - 1
     assert got == expected
     for (k_fused, v_fused), (k_compiled, v_compiled) in zip(fused.kv_caches, compiled.kv_caches):
         assert torch.equal(k_fused, k_compiled) and torch.equal(v_fused, v_compiled)
@@ -121,7 +123,7 @@ def test_the_op_equals_the_compiled_layers_on_random_hidden_states() -> None:
     # context and a prompt chunk after earlier context.
     runner = _runner(_model(WIDE))
     fused: FusedDecodeLayers = runner.model.fused_layers
-    assert fused.max_rows == 128
+    assert fused.max_rows >= 128
     runner.model.fused_layers = None
     query_lens, contexts = [1] * 119 + [9], [30] * 119 + [20]
     tables = [[[1 + 2 * i, 2 + 2 * i] for i in range(len(query_lens))]]

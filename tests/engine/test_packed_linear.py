@@ -17,10 +17,11 @@ from torch import nn
 from kvserve.engine.model import packed_linear as packed_linear_module
 from kvserve.engine.model.llama import LlamaForCausalLM
 from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, NARROW_IN_FEATURES, NARROW_OUT_FEATURES,
-                                                NARROW_ROWS_MAX, PackedLinear,
+                                                NARROW_ROWS_MAX, VECTOR_ROWS_MAX, PackedLinear,
                                                 few_rows_limit, few_rows_weight_bytes, pack_linear_weights,
                                                 packable_weight_bytes, packed_linear, weight_packing_supported)
-from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available, bf16_linear, bf16_matrix_tiles
+from kvserve.kernels.cpu_bf16_gemm import (bf16_gemm_available, bf16_linear, bf16_matrix_tiles,
+                                           native_bf16_arithmetic)
 from kvserve.engine.kv_memory import CPU_RUNTIME_OVERHEAD_BYTES
 from kvserve.engine.worker.model_preparation import prepack
 from tests.engine.test_kv_memory import host
@@ -84,7 +85,11 @@ def test_narrow_layers_keep_the_kernel_up_to_more_rows_where_the_cpu_has_tiles()
     assert few_rows_limit(576, 576, matrix_tiles=True) == NARROW_ROWS_MAX
     assert few_rows_limit(1536, NARROW_OUT_FEATURES, matrix_tiles=True) == NARROW_ROWS_MAX
     assert few_rows_limit(576, NARROW_OUT_FEATURES + 1, matrix_tiles=True) == FEW_ROWS_MAX  # gate_up: oneDNN's
-    assert few_rows_limit(576, 576, matrix_tiles=False) == FEW_ROWS_MAX  # the vector route stops early
+    # Without tiles, the vector route: every layer up to NARROW_IN_FEATURES inputs, to more rows still.
+    assert few_rows_limit(576, 576, matrix_tiles=False) == VECTOR_ROWS_MAX
+    assert few_rows_limit(576, 49152, matrix_tiles=False) == VECTOR_ROWS_MAX
+    assert few_rows_limit(NARROW_IN_FEATURES, 576, matrix_tiles=False) == VECTOR_ROWS_MAX
+    assert few_rows_limit(NARROW_IN_FEATURES + 64, 576, matrix_tiles=False) == FEW_ROWS_MAX
     assert few_rows_limit(80, 576, matrix_tiles=True) == FEW_ROWS_MAX  # inputs the tile route cannot take
     assert few_rows_limit(NARROW_IN_FEATURES, 576, matrix_tiles=True) == NARROW_ROWS_MAX
     assert few_rows_limit(2 * NARROW_IN_FEATURES, 576, matrix_tiles=True) == FEW_ROWS_MAX  # rows past L2
@@ -92,24 +97,29 @@ def test_narrow_layers_keep_the_kernel_up_to_more_rows_where_the_cpu_has_tiles()
 
 @needs_kernel
 @pytest.mark.parametrize("out_features", [96, NARROW_OUT_FEATURES + 16])
-def test_a_prompt_chunk_takes_the_kernel_only_through_a_narrow_layer_on_a_cpu_with_tiles(
+def test_prompt_chunks_take_the_kernel_through_narrow_layers_with_tiles_and_every_layer_without(
         out_features: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, out_features, bias=True)
     calls: list[str] = []
     for name, op in (("bf16_linear", bf16_linear), ("packed_linear", packed_linear)):
         monkeypatch.setattr(packed_linear_module, name, lambda *args, _name=name, _op=op: calls.append(_name) or _op(*args))
+    row_counts = (FEW_ROWS_MAX, 300, NARROW_ROWS_MAX, NARROW_ROWS_MAX + 1, VECTOR_ROWS_MAX, VECTOR_ROWS_MAX + 1)
     with torch.inference_mode():
         linear.weight.normal_(std=0.05)
         layer = PackedLinear.from_linear(linear.to(torch.bfloat16), few_rows_kernel=True)
         if layer.packed_weight is None:
             pytest.skip("oneDNN emulates bf16 here: the kernel serves every row count")
-        for rows in (FEW_ROWS_MAX, 300, NARROW_ROWS_MAX, NARROW_ROWS_MAX + 1):
+        for rows in row_counts:
             x = torch.randn(rows, 64).to(torch.bfloat16)
             torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), rtol=2**-7, atol=2**-7)
-    narrow = bf16_matrix_tiles() and out_features <= NARROW_OUT_FEATURES
-    prompt_chunks = "bf16_linear" if narrow else "packed_linear"
-    assert calls == ["bf16_linear", prompt_chunks, prompt_chunks, "packed_linear"]
+    kernel, onednn = "bf16_linear", "packed_linear"
+    if not bf16_matrix_tiles():  # AVX-512 BF16's vector passes: every layer, up to VECTOR_ROWS_MAX rows
+        assert calls == [kernel] * 5 + [onednn]
+    elif out_features <= NARROW_OUT_FEATURES:  # AMX: narrow layers up to NARROW_ROWS_MAX rows
+        assert calls == [kernel] * 3 + [onednn] * 3
+    else:
+        assert calls == [kernel] + [onednn] * 5
 
 
 def test_packed_linear_compiles_as_one_op_for_any_row_count() -> None:
@@ -236,13 +246,15 @@ def test_a_compiled_packed_model_samples_what_the_compiled_dense_one_samples_wit
 
 @pytest.mark.slow
 @needs_kernel
-def test_the_warm_up_compiles_the_graph_of_steps_past_the_narrow_layers_limit_when_the_budget_allows() -> None:
-    # On a CPU with tiles the narrow layers branch at NARROW_ROWS_MAX rows too: a token budget past
-    # it gets that graph at start, not from the first long prompt step while serving.
-    if not bf16_matrix_tiles():
-        pytest.skip("no AMX here: every layer branches at FEW_ROWS_MAX alone")
-    past_limit = [1] * 8 + [100] * (NARROW_ROWS_MAX // 100 + 1)
-    for budget, compiles_while_serving in ((NARROW_ROWS_MAX + 64, False), (None, True)):
+def test_the_warm_up_compiles_the_graph_of_steps_past_the_kernels_row_limit_when_the_budget_allows() -> None:
+    # The layers branch at a higher limit too (NARROW_ROWS_MAX for narrow layers with tiles,
+    # VECTOR_ROWS_MAX without): a token budget past it gets that graph at start, not from the first
+    # long prompt step while serving.
+    if not native_bf16_arithmetic():
+        pytest.skip("oneDNN emulates bf16 here: the kernel serves every row count, no branch")
+    limit = NARROW_ROWS_MAX if bf16_matrix_tiles() else VECTOR_ROWS_MAX
+    past_limit = [1] * 8 + [100] * (limit // 100 + 1)
+    for budget, compiles_while_serving in ((limit + 64, False), (None, True)):
         runner = _runner(packed=True, compiled=True)
         runner.warm_up(budget)
         torch._dynamo.utils.counters.clear()
