@@ -1,5 +1,6 @@
 // bf16 x bf16 -> bf16 linear layers for decode steps (1-128 rows) on AVX-512 (BF16 and AMX where
-// the CPU has them), and for every row count on AVX-512 CPUs without BF16, where oneDNN emulates bf16.
+// the CPU has them), for prompt chunks too (up to 2,048 rows) on AVX-512 BF16 CPUs without AMX, and
+// for every row count on AVX-512 CPUs without BF16, where oneDNN emulates bf16.
 //
 // At 1-16 rows a linear layer is a pass over its weights: each weight is used by a handful of
 // rows only, so the time is the bytes read over the memory bandwidth. oneDNN's prepacked bf16
@@ -19,7 +20,8 @@
 // layout feeds tile multiplies instead (amx_gemm below): 5-16 rows as one row block against 4
 // channel tiles at a time, more rows in blocks of 32 rows x 32 channels (2 x 2 tiles). Up to ~128
 // rows that beats oneDNN's prepacked matmul on the model's shapes; prompt chunks stay on oneDNN
-// (engine/model/packed_linear.py: FEW_ROWS_MAX).
+// there (engine/model/packed_linear.py: FEW_ROWS_MAX, NARROW_ROWS_MAX). Without AMX the vector
+// passes beat it up to 2,048 rows (VECTOR_ROWS_MAX).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
