@@ -81,7 +81,7 @@ def test_the_few_row_kernel_agrees_with_onednn_to_bf16s_last_bit(rows, native_bf
         assert torch.equal(out, expected)  # oneDNN's path itself
 
 
-def test_narrow_layers_keep_the_kernel_up_to_more_rows_where_the_cpu_has_tiles() -> None:
+def test_layers_keep_the_kernel_to_more_rows_when_narrow_with_tiles_or_on_the_vector_route() -> None:
     assert few_rows_limit(576, 576, matrix_tiles=True) == NARROW_ROWS_MAX
     assert few_rows_limit(1536, NARROW_OUT_FEATURES, matrix_tiles=True) == NARROW_ROWS_MAX
     assert few_rows_limit(576, NARROW_OUT_FEATURES + 1, matrix_tiles=True) == FEW_ROWS_MAX  # gate_up: oneDNN's
