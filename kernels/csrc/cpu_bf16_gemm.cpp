@@ -183,16 +183,17 @@ constexpr PassFn<In> pass_for_tiles(int t) {
 }
 
 template <typename In>
-PassFn<In> pass_for(int rows, int tiles) {
+PassFn<In> pass_for(int rows, int tiles) {  // rows <= max_rows_per_pass<In>()
+  const int width = std::min(tiles, tiles_per_pass<In>(rows));
   switch (rows) {
-    case 8: return pass_for_tiles<8, In>(std::min(tiles, 2));
-    case 7: return pass_for_tiles<7, In>(std::min(tiles, 2));
-    case 6: return pass_for_tiles<6, In>(std::min(tiles, tiles_per_pass<In>(6)));
-    case 5: return pass_for_tiles<5, In>(std::min(tiles, tiles_per_pass<In>(5)));
-    case 4: return pass_for_tiles<4, In>(tiles);
-    case 3: return pass_for_tiles<3, In>(tiles);
-    case 2: return pass_for_tiles<2, In>(tiles);
-    default: return pass_for_tiles<1, In>(tiles);
+    case 8: return pass_for_tiles<8, In>(width);
+    case 7: return pass_for_tiles<7, In>(width);
+    case 6: return pass_for_tiles<6, In>(width);
+    case 5: return pass_for_tiles<5, In>(width);
+    case 4: return pass_for_tiles<4, In>(width);
+    case 3: return pass_for_tiles<3, In>(width);
+    case 2: return pass_for_tiles<2, In>(width);
+    default: return pass_for_tiles<1, In>(width);
   }
 }
 
