@@ -63,7 +63,7 @@ FEW_ROWS_MAX = 128
 NARROW_OUT_FEATURES = 1024
 NARROW_IN_FEATURES = 2048
 NARROW_ROWS_MAX = 1024
-# Without AMX tiles, on a CPU with AVX-512 BF16 (the kernel's vdpbf16ps passes of 6 rows x 4 tiles),
+# Without AMX tiles, on a CPU with AVX-512 BF16 (the kernel's vdpbf16ps passes of 4 rows x 6 tiles),
 # every layer of at most NARROW_IN_FEATURES inputs keeps the kernel up to VECTOR_ROWS_MAX rows:
 # SmolLM2's layers on a 2-core AMD EPYC Zen 4, weights streaming (benchmarks/bf16_gemm.py --rows
 # 256,512,1024,2048), oneDNN's time over the kernel's 1.02-1.11x at 256-2048 rows (lm_head 1.03x at

@@ -58,7 +58,7 @@
 namespace {
 
 constexpr int kTile = 16;     // output channels per tile: one 16-lane fp32 vector
-constexpr int kMaxTiles = 4;  // tiles per pass
+constexpr int kMaxTiles = 6;  // tiles per pass
 // Software prefetch distance along each tile's stream: a few cache lines ahead of the loads.
 constexpr int kPrefetchBytes = 8 * 64;
 
@@ -70,18 +70,21 @@ using BF16 = c10::BFloat16;
 
 // A pass's shape: up to max_rows_per_pass rows x tiles_per_pass tiles, as many accumulators as the
 // 32 vector registers hold beside the pass's weight vectors and activations.
-// bf16 activations (vdpbf16ps): 6 rows x 4 tiles, 24 accumulators + 4 weight vectors + 1 broadcast
-// pair. Each broadcast feeds 4 products where 8 rows x 2 tiles fed 2 (half the broadcasts per
-// product): on a 2-core AMD EPYC Zen 4, SmolLM2-135M's 121 matrices, weights from memory, same
-// bits, 0.91-0.93x the time at 5-10 rows and 0.95-0.97x at 16-128.
+// bf16 activations (vdpbf16ps): 4 rows x 6 tiles, 24 accumulators + 6 weight vectors + 1 broadcast
+// pair. Each broadcast feeds 6 products (8 rows x 2 tiles fed 2, 6 x 4 fed 4): the broadcasts,
+// not the weight loads, held the loop under vdpbf16ps' rate. SmolLM2-135M's 121 matrices on a
+// 2-core AMD EPYC Zen 4, same bits: 6 x 4 was 0.91-0.97x 8 x 2's time at 5-128 rows; 4 x 6 is
+// 0.93-0.96x 6 x 4's at 32-2048 rows (~93% of the measured vdpbf16ps peak at 64-2048), and its six
+// streams read the weights faster at 1-8 rows too. 5 x 5 measured level with it, 3 x 7 slower.
 // fp32 activations (AVX-512 without BF16) widen each weight vector into two (2T registers) and
-// broadcast two inputs: 8 rows x 2 tiles there (6 x 4 would spill).
+// broadcast two inputs: 8 rows x 2 tiles there (wider would spill), up to 4 tiles at 1-4 rows.
 template <typename In>
-constexpr int max_rows_per_pass() { return std::is_same_v<In, BF16> ? 6 : 8; }
+constexpr int max_rows_per_pass() { return std::is_same_v<In, BF16> ? 4 : 8; }
 
 template <typename In>
 constexpr int tiles_per_pass(int rows) {
-  return std::is_same_v<In, BF16> || rows <= 4 ? kMaxTiles : (rows == 5 ? 3 : 2);
+  if constexpr (std::is_same_v<In, BF16>) return kMaxTiles;
+  return rows <= 4 ? 4 : (rows == 5 ? 3 : 2);
 }
 
 // The lanes of the channel tile starting at column c0 that hold one of the n real channels.
@@ -125,7 +128,7 @@ inline void store_row(BF16* out, __mmask16 mask, __m512 v) { _mm256_mask_storeu_
 // group reads (into L2): block `block` of `blocks` for the pair steps p with p % blocks == block, the
 // group's blocks together the whole next panel once, while they compute. SmolLM2-135M's 121 matrices,
 // 2-core AMD EPYC Zen 4, weights from memory: 0.85x the time at 8 rows, 0.83x at 16, 0.96x at 32,
-// 0.97x at 64, level at 128; a single row block (up to 6 bf16 rows: bandwidth-bound) does not take it.
+// 0.97x at 64, level at 128; a single row block (up to 4 bf16 rows: bandwidth-bound) does not take it.
 struct NextPanel {
   const BF16* w = nullptr;  // the next group's first tile (tile_elems apart, as the pass's own); none where
                             // this group is the thread's last
@@ -196,18 +199,27 @@ using PassFn = void (*)(const BF16*, int64_t, int64_t, const In*, int64_t, const
                         int64_t, bool, const NextPanel&);
 
 template <int R, typename In>
-constexpr PassFn<In> pass_for_tiles(int t) {
+PassFn<In> pass_for_tiles(int t) {
+  if constexpr (std::is_same_v<In, BF16>) {  // only bf16 passes go wider than 4 tiles
+    if (t == 6) return &pass<R, 6, In>;
+    if (t == 5) return &pass<R, 5, In>;
+  }
   return t == 4 ? &pass<R, 4, In> : t == 3 ? &pass<R, 3, In> : t == 2 ? &pass<R, 2, In> : &pass<R, 1, In>;
 }
 
 template <typename In>
 PassFn<In> pass_for(int rows, int tiles) {  // rows <= max_rows_per_pass<In>()
   const int width = std::min(tiles, tiles_per_pass<In>(rows));
+  if constexpr (max_rows_per_pass<In>() > 4) {
+    switch (rows) {
+      case 8: return pass_for_tiles<8, In>(width);
+      case 7: return pass_for_tiles<7, In>(width);
+      case 6: return pass_for_tiles<6, In>(width);
+      case 5: return pass_for_tiles<5, In>(width);
+      default: break;
+    }
+  }
   switch (rows) {
-    case 8: return pass_for_tiles<8, In>(width);
-    case 7: return pass_for_tiles<7, In>(width);
-    case 6: return pass_for_tiles<6, In>(width);
-    case 5: return pass_for_tiles<5, In>(width);
     case 4: return pass_for_tiles<4, In>(width);
     case 3: return pass_for_tiles<3, In>(width);
     case 2: return pass_for_tiles<2, In>(width);
