@@ -74,8 +74,9 @@ using BF16 = c10::BFloat16;
 // pair. Each broadcast feeds 6 products (8 rows x 2 tiles fed 2, 6 x 4 fed 4): the broadcasts,
 // not the weight loads, held the loop under vdpbf16ps' rate. SmolLM2-135M's 121 matrices on a
 // 2-core AMD EPYC Zen 4, same bits: 6 x 4 was 0.91-0.97x 8 x 2's time at 5-128 rows; 4 x 6 is
-// 0.93-0.96x 6 x 4's at 32-2048 rows (~93% of the measured vdpbf16ps peak at 64-2048), and its six
-// streams read the weights faster at 1-8 rows too. 5 x 5 measured level with it, 3 x 7 slower.
+// 0.90-0.97x 6 x 4's at 32-2048 rows (87-94% of the measured vdpbf16ps peak at 64), level at 16,
+// and its six weight streams read faster at one row (0.86-0.90x in 3 of 4 rounds). 5 x 5 measured
+// level with it, 3 x 7 slower.
 // fp32 activations (AVX-512 without BF16) widen each weight vector into two (2T registers) and
 // broadcast two inputs: 8 rows x 2 tiles there (wider would spill), up to 4 tiles at 1-4 rows.
 template <typename In>
