@@ -221,16 +221,15 @@ def stream_workload(base_url: str, items: Sequence[WorkItem], *, warmups: int = 
     prompts, EOS ignored): its request records and the measured seconds. Any failed request
     (or went unsent) raises. The client is imported here, so that this module stays light for the scripts that
     only start servers."""
-    import asyncio
-
     from kvserve.loadtest.client import Endpoint
     from kvserve.loadtest.datasets import BenchRequest
+    from kvserve.loadtest.event_loop import run_event_loop
     from kvserve.loadtest.runner import LoadConfig, run_load
 
     endpoint = Endpoint(base_url=base_url, model="SmolLM2-135M-Instruct", ignore_eos=True, request_timeout_s=600)
     requests = [BenchRequest(tuple(i.prompt_token_ids), len(i.prompt_token_ids), i.output_len) for i in items]
     config = LoadConfig(num_warmups=warmups, max_concurrency=max_concurrency, duration_s=1800, show_progress=False)
-    result = asyncio.run(run_load(endpoint, requests, config))
+    result = run_event_loop(run_load(endpoint, requests, config))
     ok = [r for r in result.records if r.success]
     if len(ok) != len(items):
         failed = [r.error_message for r in result.records if not r.success][:3]

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -24,6 +23,7 @@ import httpx
 from .arrivals import ArrivalProcess
 from .client import Endpoint, EndpointError, discover_model
 from .datasets import BenchRequest, DatasetError, PrefixDataset, RandomDataset, SyntheticChatDataset
+from .event_loop import run_event_loop
 from .goodput import GoodputError, GoodputSLO
 from .jsonl_dataset import JsonlDataset
 from .metrics import BenchmarkMetrics, compute_metrics
@@ -190,7 +190,7 @@ async def amain(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return asyncio.run(amain(args))
+        return run_event_loop(amain(args))
     except (DatasetError, EndpointError, GoodputError, BenchmarkError, ValueError) as e:
         print(f"kvserve-bench: error: {e}", file=sys.stderr)
         return 2

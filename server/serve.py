@@ -26,6 +26,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from kvserve.engine import AsyncEngine, ConfigError, EngineConfig, StatsListener
 from kvserve.server.app import build_app, serving_state
 from kvserve.server.connection_guard import ConnectionLimits, ConnectionListener, ensure_descriptors, guarded_protocol
+from kvserve.server.event_loop import run_event_loop
 from kvserve.server.info_routes import kvserve_version
 from kvserve.server.log_stats import LogStats
 from kvserve.server.metrics import ServerMetrics
@@ -53,7 +54,7 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings,
                engine_factory: EngineFactory = AsyncEngine.from_config, out: TextIO = sys.stdout) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(_serve(engine_config, settings, engine_factory, out))
+        return run_event_loop(_serve(engine_config, settings, engine_factory, out))
     except SystemExit as exit_:  # uvicorn exits this way when it cannot bind the port
         return exit_.code if isinstance(exit_.code, int) else 1
 
