@@ -14,12 +14,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
 from tqdm import tqdm
 
 from .arrivals import ArrivalProcess, paced
 from .client import Endpoint, send_request
 from .datasets import BenchRequest
+from .http_stream import StreamClient
 from .records import RequestRecord, RunResult
 
 
@@ -45,19 +45,7 @@ class LoadConfig:
             raise ValueError(f"--num-warmups must be >= 0, got {self.num_warmups}")
 
 
-def make_http_client(endpoint: Endpoint, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    # No connection cap: concurrency is the benchmark's to control, not the pool's, or queueing in
-    # the pool would show up as server latency. trust_env=False: only the given URL is contacted,
-    # never a proxy picked up from the environment.
-    return httpx.AsyncClient(
-        transport=transport,
-        timeout=httpx.Timeout(endpoint.request_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        trust_env=False,
-    )
-
-
-async def warm_up(http: httpx.AsyncClient, endpoint: Endpoint, requests: Sequence[BenchRequest], count: int) -> None:
+async def warm_up(http: StreamClient, endpoint: Endpoint, requests: Sequence[BenchRequest], count: int) -> None:
     """Send `count` requests concurrently; any failure stops the run with the server's reason."""
     if count == 0:
         return
@@ -75,19 +63,20 @@ async def run_load(
     endpoint: Endpoint,
     requests: Sequence[BenchRequest],
     load: LoadConfig,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> RunResult:
     if not requests:
         raise BenchmarkError("no requests to send: --num-prompts must be >= 1")
     for request in requests:
         endpoint.check_prompt(request)
-    async with make_http_client(endpoint, transport) as http:
+    # The client has no connection cap: concurrency is the benchmark's to control, not a pool's,
+    # or queueing in the pool would show up as server latency. Only the given URL is contacted.
+    async with StreamClient(connect_timeout_s=endpoint.request_timeout_s) as http:
         await warm_up(http, endpoint, requests, load.num_warmups)
         return await _measure(http, endpoint, requests, load)
 
 
 async def _measure(
-    http: httpx.AsyncClient, endpoint: Endpoint, requests: Sequence[BenchRequest], load: LoadConfig
+    http: StreamClient, endpoint: Endpoint, requests: Sequence[BenchRequest], load: LoadConfig
 ) -> RunResult:
     offsets = load.arrivals.offsets(len(requests), load.seed)
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None

@@ -7,7 +7,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
 
 from .arrivals import ArrivalProcess
 from .client import Endpoint
@@ -48,14 +47,13 @@ async def run_sweep(
     rates: Sequence[float],
     goodput_slo: GoodputSLO | None = None,
     percentiles: Sequence[float] = DEFAULT_PERCENTILES,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> list[SweepPoint]:
     """Run the workload once per rate; the server is warmed up before the first rate only."""
     points = []
     for index, rate in enumerate(rates):
         arrivals = ArrivalProcess(request_rate=rate, burstiness=load.arrivals.burstiness)
         load_at_rate = dataclasses.replace(load, arrivals=arrivals, num_warmups=load.num_warmups if index == 0 else 0)
-        run = await run_load(endpoint, requests, load_at_rate, transport)
+        run = await run_load(endpoint, requests, load_at_rate)
         metrics = compute_metrics(run, goodput_slo, percentiles)
         ttfts = tuple(r.ttft_s for r in run.records if r.success and r.ttft_s is not None)
         points.append(SweepPoint(request_rate=rate, metrics=metrics, ttfts_s=ttfts))
