@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from .datasets import BenchRequest
-from .http_stream import BadHttp, ConnectFailed, Disconnected, StreamClient, StreamResponse
+from .http_stream import ConnectFailed, StreamClient, StreamError, StreamResponse
 from .records import ErrorKind, RequestRecord
 
 CHAT_SUFFIX = "/chat/completions"
@@ -164,7 +164,7 @@ async def send_request(http: StreamClient, endpoint: Endpoint, request: BenchReq
         return _failed(start, request, ErrorKind.TIMEOUT, f"no answer within {endpoint.request_timeout_s} s")
     except ConnectFailed as e:
         return _failed(start, request, ErrorKind.CONNECT, f"cannot reach {endpoint.url}: {e}")
-    except (Disconnected, BadHttp) as e:
+    except StreamError as e:  # dropped mid-answer, or not HTTP
         return _failed(start, request, ErrorKind.DISCONNECT, str(e))
     except OSError as e:  # a write to a broken connection, a TLS error mid-stream
         return _failed(start, request, ErrorKind.TRANSPORT, repr(e))

@@ -142,10 +142,14 @@ class _Connection(asyncio.Protocol):
         return self._received > 0
 
     @property
+    def alive(self) -> bool:
+        """Neither side has closed it (or begun to)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    @property
     def reusable(self) -> bool:
         """Complete, kept alive by the server, and not closed since."""
-        return (self._complete and self._keep_alive and not self.closed and self.transport is not None
-                and not self.transport.is_closing())
+        return self._complete and self._keep_alive and self.alive
 
     def finish(self) -> None:
         self._parser = None  # any byte now arriving marks the connection unusable
@@ -219,9 +223,9 @@ class StreamClient:
     async def post(self, url: str, body: bytes, headers: Mapping[str, str] | None = None) -> AsyncIterator[StreamResponse]:
         """POST `body` (JSON) to `url`; the response once its headers are in.
 
-        On leaving the block the connection goes back to the pool only if its response was read to
-        the end and the server keeps it alive; otherwise (an error, a cancelled request, a body not
-        read) it is closed, so no half-read response is ever reused.
+        On leaving the block the connection goes back to the pool only if its whole response has
+        arrived and the server keeps it alive; otherwise (an error, a cancelled request, a body
+        still arriving) it is closed, so no half-received response is ever reused.
         """
         origin, target = self._split(url)
         request = self._request_bytes(origin, target, body, headers or {})
@@ -253,7 +257,7 @@ class StreamClient:
         idle = self._idle[origin]
         while idle:
             connection = idle.pop()
-            if connection.closed or connection.transport is None or connection.transport.is_closing():
+            if not connection.alive:
                 continue
             connection.start(request)
             # An idle connection the server is closing right now (its keep-alive timeout) fails

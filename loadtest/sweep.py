@@ -7,7 +7,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
 from .arrivals import ArrivalProcess
 from .client import Endpoint
 from .datasets import BenchRequest
