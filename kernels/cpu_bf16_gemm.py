@@ -24,6 +24,11 @@ each of bf16's 65,536 gate values looked up instead of computed (SmolLM2's 1,536
 threads, input in cache: 2.1 / 16 / 438 us against 18 / 47 / 931 us at 1 / 64 / 1,889 rows; in a
 1,889-token prefill step, whose input comes from memory, 0.94 ms a layer).
 
+torch.ops.kvserve_bf16.bf16_linear_silu_mul(x [..., K] bf16, packed gate_up, I) -> [..., I] bf16:
+silu_mul(bf16_linear(x, packed, None, 2 I)) bit for bit, for a gated MLP's [gate | up] weights with I a
+multiple of 16: the vector passes read each gate tile beside its up tile and write silu(gate) * up
+from their sums, so the [rows, 2 I] output is neither written nor read back.
+
 torch.ops.kvserve_bf16.decoder_layers(x, cos, sin, per-layer weights and caches, the step's metadata,
 ...) -> [rows, hidden] bf16: a stack of plain Llama blocks for one small step in one call, with no
 Python between a layer's ops (engine/model/fused_decode.py decides where it applies).
@@ -118,6 +123,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     compiled forward computes it (gate widened to fp32, gate / (exp(-gate) + 1), times up, rounded
     to bf16 once). Only call after `bf16_gemm_available()` returned True."""
     return torch.ops.kvserve_bf16.silu_mul(gate_up)
+
+
+def bf16_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """silu_mul(bf16_linear(x, packed, None, 2 * intermediate)), the same bits, without the gate_up
+    output: `packed` holds a gated MLP's [gate | up] weights, `intermediate` (a multiple of 16) rows
+    of each. Only call after `bf16_gemm_available()` returned True."""
+    return torch.ops.kvserve_bf16.bf16_linear_silu_mul(x, packed, intermediate)
 
 
 def decoder_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norms: Sequence[torch.Tensor],

@@ -1,6 +1,7 @@
 """The gated MLP of Llama-style decoders: down(act(gate(x)) * up(x)), gate and up fused into one
 matmul (fewer, larger GEMMs), column-parallel in, row-parallel out under tensor parallelism.
-On CPUs with kvserve's bf16 kernels, bf16 silu(gate) * up is one kernel call (use_cpu_silu_kernel)."""
+On CPUs with kvserve's bf16 kernels, bf16 silu(gate) * up is one kernel call (use_cpu_silu_kernel),
+and where that kernel also multiplies gate_up, the same call as the matmul (PackedLinear.silu_mul)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ class GatedMLP(nn.Module):
         return self.cpu_silu_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_silu_kernel and x.dtype is torch.bfloat16 and x.device.type == "cpu":
+            # kvserve's bf16 kernel multiplies gate_up and applies silu(gate) * up in one call where
+            # it serves these rows (PackedLinear.silu_mul), else the two calls below.
+            fused = getattr(self.gate_up_proj, "silu_mul", None)
+            activated = fused(x) if fused is not None else None
+            if activated is not None:
+                return self.down_proj(activated)
         gate_up = self.gate_up_proj(x)
         if self.cpu_silu_kernel and gate_up.dtype is torch.bfloat16 and gate_up.device.type == "cpu":
             return self.down_proj(silu_mul(gate_up))

@@ -42,8 +42,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.kernels.cpu_bf16_gemm import (bf16_gemm_available, bf16_linear, bf16_linear_argmax, bf16_matrix_tiles,
-                                           native_bf16_arithmetic, pack_bf16)
+from kvserve.kernels.cpu_bf16_gemm import (TILE, bf16_gemm_available, bf16_linear, bf16_linear_argmax,
+                                           bf16_linear_silu_mul, bf16_matrix_tiles, native_bf16_arithmetic,
+                                           pack_bf16)
 
 PACKABLE_DTYPES = (torch.bfloat16,)
 # Up to this many rows kvserve's bf16 kernel beats oneDNN's packed matmul (quiet machine,
@@ -173,6 +174,16 @@ class PackedLinear(nn.Module):
         if self.bias is not None or not self._kernel_serves(x):
             return None
         return bf16_linear_argmax(x, self.few_rows_weight, self.out_features)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of forward(x) for a gated MLP's [gate | up] layer (its out_features two
+        halves), the same bits, without the [rows, out_features] output where kvserve's kernel
+        serves these rows; None where forward would take another path, add a bias, or the halves
+        do not fall on the kernel's tiles of 16."""
+        if (self.bias is not None or self.out_features % (2 * TILE) != 0 or x.dtype is not torch.bfloat16
+                or not self._kernel_serves(x)):
+            return None
+        return bf16_linear_silu_mul(x, self.few_rows_weight, self.out_features // 2)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -124,6 +124,8 @@ inline __m512 load_fp32(const float* src, __mmask16 mask) { return _mm512_maskz_
 
 inline void store_row(BF16* out, __mmask16 mask, __m512 v) { _mm256_mask_storeu_epi16(out, mask, to_bf16(v)); }
 
+const float* silu_table();  // bf16 gate -> its fp32 silu (silu_mul below)
+
 // Where more than one row block shares a pass group's tiles, the first block streams them from memory
 // while the vector units wait; so each block also asks for a share of the tiles the thread's next
 // group reads (into L2): block `block` of `blocks` for the pair steps p with p % blocks == block, the
@@ -138,19 +140,29 @@ struct NextPanel {
 };
 
 // R rows x T tiles: w points at the first tile, tile_elems apart; out at column n0 of row 0.
+// kGated: a gated MLP's gate_up layer ([gate | up] channels, up_tiles tiles of each), whose first
+// T / 2 tiles are gate channels and the last T / 2 the matching up channels, up_tiles further on;
+// the pass writes silu(gate) * up for its gate channels (n of them in all) instead of its sums,
+// as silu_mul computes it from the bf16 output this pass would otherwise write: same bits, no
+// [rows, 2 x up] output written and read back (bias: none).
 // In is the activations' type (the bias has it too). bf16 activations multiply
 // pairs in vdpbf16ps (CPUs with AVX-512 BF16); fp32 ones (bf16 activations widened once per call,
 // on AVX-512 CPUs without BF16) meet each weight pair widened in registers (the low half of a 32-bit
 // lane is input 2p, the high half 2p + 1: a shift and a mask make both fp32) in two FMAs. Either
 // way the products are exact in fp32 and the sums fp32; they differ only in the order of roundings.
-template <int R, int T, typename In>
+template <int R, int T, typename In, bool kGated>
 void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t ldx, const In* bias,
-          BF16* out, int64_t ldo, int64_t n0, int64_t n, bool prefetch, const NextPanel& next) {
+          BF16* out, int64_t ldo, int64_t n0, int64_t n, bool prefetch, const NextPanel& next, int64_t up_tiles) {
+  static_assert(!kGated || T % 2 == 0, "a gated pass pairs each gate tile with its up tile");
+  constexpr int kHalf = kGated ? T / 2 : T;
   __m512 acc[R][T];
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   const char* wt[T];
-  UNROLL for (int t = 0; t < T; ++t) wt[t] = reinterpret_cast<const char*>(w + t * tile_elems);
+  UNROLL for (int t = 0; t < T; ++t) {
+    const int64_t tile = kGated && t >= kHalf ? t - kHalf + up_tiles : t;
+    wt[t] = reinterpret_cast<const char*>(w + tile * tile_elems);
+  }
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i wv[T];
@@ -161,8 +173,10 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t
     }
     // A counter in place of the modulo measured no faster (one more register live across the loop).
     if (next.w != nullptr && p % next.blocks == next.block) {
-      for (int t = 0; t < next.width; ++t)
-        _mm_prefetch(reinterpret_cast<const char*>(next.w + t * tile_elems) + p * 64, _MM_HINT_T1);
+      for (int t = 0; t < next.width; ++t) {
+        const int64_t tile = kGated && t >= next.width / 2 ? t - next.width / 2 + up_tiles : t;
+        _mm_prefetch(reinterpret_cast<const char*>(next.w + tile * tile_elems) + p * 64, _MM_HINT_T1);
+      }
     }
     if constexpr (std::is_same_v<In, BF16>) {
 #ifdef __AVX512BF16__
@@ -187,44 +201,72 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t
       }
     }
   }
-  UNROLL for (int t = 0; t < T; ++t) {
-    const int64_t c0 = n0 + t * kTile;
-    const __mmask16 mask = channel_mask(c0, n);
-    const __m512 b = bias != nullptr ? load_fp32(bias + c0, mask) : _mm512_setzero_ps();
-    UNROLL for (int r = 0; r < R; ++r) store_row(out + r * ldo + c0, mask, _mm512_add_ps(acc[r][t], b));
+  if constexpr (kGated) {
+    const float* table = silu_table();
+    UNROLL for (int t = 0; t < kHalf; ++t) {
+      const int64_t c0 = n0 + t * kTile;
+      const __mmask16 mask = channel_mask(c0, n);
+      UNROLL for (int r = 0; r < R; ++r) {  // the bf16 gate and up the plain pass would store, then silu_mul's steps
+        const __m512i index = _mm512_cvtepu16_epi32(to_bf16(acc[r][t]));
+        const __m512 silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, table, 4);
+        const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(acc[r][t + kHalf])), 16));
+        _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, to_bf16_keeping_subnormals(_mm512_mul_ps(silu, up)));
+      }
+    }
+  } else {
+    UNROLL for (int t = 0; t < T; ++t) {
+      const int64_t c0 = n0 + t * kTile;
+      const __mmask16 mask = channel_mask(c0, n);
+      const __m512 b = bias != nullptr ? load_fp32(bias + c0, mask) : _mm512_setzero_ps();
+      UNROLL for (int r = 0; r < R; ++r) store_row(out + r * ldo + c0, mask, _mm512_add_ps(acc[r][t], b));
+    }
   }
 }
 
 template <typename In>
 using PassFn = void (*)(const BF16*, int64_t, int64_t, const In*, int64_t, const In*, BF16*, int64_t, int64_t,
-                        int64_t, bool, const NextPanel&);
+                        int64_t, bool, const NextPanel&, int64_t);
 
-template <int R, typename In>
-PassFn<In> pass_for_tiles(int t) {
-  if constexpr (std::is_same_v<In, BF16>) {  // only bf16 passes go wider than 4 tiles
-    if (t == 6) return &pass<R, 6, In>;
-    if (t == 5) return &pass<R, 5, In>;
-  }
-  return t == 4 ? &pass<R, 4, In> : t == 3 ? &pass<R, 3, In> : t == 2 ? &pass<R, 2, In> : &pass<R, 1, In>;
+// The tiles one pass group takes at `rows` rows: gate tiles of a gated pass (each brings its up tile).
+template <typename In, bool kGated>
+constexpr int group_tiles(int rows) {
+  return kGated ? std::max(1, tiles_per_pass<In>(rows) / 2) : tiles_per_pass<In>(rows);
 }
 
-template <typename In>
+template <int R, typename In, bool kGated>
+PassFn<In> pass_for_tiles(int t) {  // t: the group's tiles (gate tiles where kGated)
+  if constexpr (kGated) {
+    if constexpr (std::is_same_v<In, BF16>) {
+      if (t == 3) return &pass<R, 6, In, true>;
+    }
+    return t == 2 ? &pass<R, 4, In, true> : &pass<R, 2, In, true>;
+  } else {
+    if constexpr (std::is_same_v<In, BF16>) {  // only bf16 passes go wider than 4 tiles
+      if (t == 6) return &pass<R, 6, In, false>;
+      if (t == 5) return &pass<R, 5, In, false>;
+    }
+    return t == 4 ? &pass<R, 4, In, false> : t == 3 ? &pass<R, 3, In, false> : t == 2 ? &pass<R, 2, In, false>
+                                                                                      : &pass<R, 1, In, false>;
+  }
+}
+
+template <typename In, bool kGated>
 PassFn<In> pass_for(int rows, int tiles) {  // rows <= max_rows_per_pass<In>()
-  const int width = std::min(tiles, tiles_per_pass<In>(rows));
+  const int width = std::min(tiles, group_tiles<In, kGated>(rows));
   if constexpr (max_rows_per_pass<In>() > 4) {
     switch (rows) {
-      case 8: return pass_for_tiles<8, In>(width);
-      case 7: return pass_for_tiles<7, In>(width);
-      case 6: return pass_for_tiles<6, In>(width);
-      case 5: return pass_for_tiles<5, In>(width);
+      case 8: return pass_for_tiles<8, In, kGated>(width);
+      case 7: return pass_for_tiles<7, In, kGated>(width);
+      case 6: return pass_for_tiles<6, In, kGated>(width);
+      case 5: return pass_for_tiles<5, In, kGated>(width);
       default: break;
     }
   }
   switch (rows) {
-    case 4: return pass_for_tiles<4, In>(width);
-    case 3: return pass_for_tiles<3, In>(width);
-    case 2: return pass_for_tiles<2, In>(width);
-    default: return pass_for_tiles<1, In>(width);
+    case 4: return pass_for_tiles<4, In, kGated>(width);
+    case 3: return pass_for_tiles<3, In, kGated>(width);
+    case 2: return pass_for_tiles<2, In, kGated>(width);
+    default: return pass_for_tiles<1, In, kGated>(width);
   }
 }
 
@@ -442,12 +484,14 @@ void amx_gemm(const BF16* x, int64_t m, int64_t ldx, const BF16* w, int64_t tile
 #endif
 
 // The vector passes over all rows: threads split the tiles, each pass takes up to max_rows_per_pass rows.
-template <typename In>
+// kGated: `tiles` gate tiles, each with its up tile `tiles` further on; out [m, n] is silu(gate) * up.
+template <typename In, bool kGated = false>
 void vector_gemm(const In* x, int64_t m, int64_t ldx, const BF16* w, int64_t tiles, int64_t pairs, const In* bias,
                  BF16* out, int64_t n) {
   const int64_t tile_elems = pairs * 2 * kTile;
   constexpr int64_t kMaxRows = max_rows_per_pass<In>();
-  const int group = tiles_per_pass<In>(static_cast<int>(std::min<int64_t>(m, kMaxRows)));
+  constexpr int kPerTile = kGated ? 2 : 1;  // tiles a pass reads per tile of output
+  const int group = group_tiles<In, kGated>(static_cast<int>(std::min<int64_t>(m, kMaxRows)));
   // Whole groups per thread where the layer is large enough; the small layers still split in two.
   at::parallel_for(0, tiles, group, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = begin; t0 < end; t0 += group) {
@@ -455,15 +499,15 @@ void vector_gemm(const In* x, int64_t m, int64_t ldx, const BF16* w, int64_t til
       NextPanel next;
       if (t0 + group < end && m > kMaxRows) {
         next.w = w + (t0 + group) * tile_elems;
-        next.width = static_cast<int>(std::min<int64_t>(group, end - t0 - group));
+        next.width = kPerTile * static_cast<int>(std::min<int64_t>(group, end - t0 - group));
         next.blocks = (m + kMaxRows - 1) / kMaxRows;
       }
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
         next.block = r0 / kMaxRows;
         // Only the first row block streams the tiles from memory; later blocks find them in L2.
-        pass_for<In>(rows, width)(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, bias, out + r0 * n, n,
-                                  t0 * kTile, n, r0 == 0, next);
+        pass_for<In, kGated>(rows, width)(w + t0 * tile_elems, tile_elems, pairs, x + r0 * ldx, ldx, bias, out + r0 * n,
+                                          n, t0 * kTile, n, r0 == 0, next, tiles);
       }
     }
   });
@@ -749,6 +793,47 @@ at::Tensor silu_mul_meta(const at::Tensor& gate_up) {
   return at::empty_symint(shape, gate_up.options());
 }
 
+// silu_mul(bf16_linear(x, packed, None, 2 * intermediate)), bit for bit, for a gated MLP's gate_up
+// weights ([gate | up] rows, `intermediate` of each, a multiple of 16 so that gate tile t and up
+// tile t + intermediate / 16 hold the same channels): the vector passes take each gate tile beside
+// its up tile and write silu(gate) * up from their sums (pass's kGated), so the [rows, 2 x
+// intermediate] output is neither written nor read back. Where AMX computes the rows, the matmul
+// and silu_mul run one after the other.
+at::Tensor bf16_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+  TORCH_CHECK_VALUE(intermediate > 0 && intermediate % kTile == 0,
+                    "bf16_linear_silu_mul: intermediate must be a positive multiple of ", kTile, ", got ", intermediate);
+  const at::Tensor rows = linear_rows(x, packed, 2 * intermediate);
+  TORCH_CHECK_VALUE(packed.size(0) == 2 * intermediate / kTile, "bf16_linear_silu_mul: the packed weights hold ",
+                    packed.size(0), " tiles, not the ", 2 * intermediate / kTile, " of 2 x ", intermediate, " channels");
+  at::Tensor out = at::empty(out_shape(x, intermediate), x.options());
+  const int64_t m = rows.size(0), pairs = packed.size(1), gate_tiles = intermediate / kTile;
+  if (m == 0) return out;
+  silu_table();  // built before the threads start, not inside their region
+  const BF16* w = packed.data_ptr<BF16>();
+#ifdef __AVX512BF16__
+#ifdef __AMX_BF16__
+  if (m > kVectorMaxRows && pairs % 16 == 0 && amx_usable()) {
+    at::Tensor gate_up = at::empty({m, 2 * intermediate}, x.options());
+    gemm(rows, w, packed.size(0), pairs, at::Tensor(), gate_up);
+    return silu_mul(gate_up).view(out_shape(x, intermediate));
+  }
+#endif
+  vector_gemm<BF16, true>(rows.data_ptr<BF16>(), m, rows.size(1), w, gate_tiles, pairs, nullptr, out.data_ptr<BF16>(),
+                          intermediate);
+#else
+  const at::Tensor wide = rows.to(at::kFloat);
+  vector_gemm<float, true>(wide.data_ptr<float>(), m, wide.size(1), w, gate_tiles, pairs, nullptr, out.data_ptr<BF16>(),
+                           intermediate);
+#endif
+  return out;
+}
+
+at::Tensor bf16_linear_silu_mul_meta(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = intermediate;
+  return at::empty_symint(shape, x.options());
+}
+
 
 // ---- a Llama block's decode step, every layer in one call ----------------------------------
 // A decode step of a small model is mostly per-call overhead outside the matmuls: the compiled
@@ -843,6 +928,7 @@ void residual_rows(BF16* x, const BF16* attn, const BF16* mlp, int64_t count) {
 
 using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
 using SiluMul = at::Tensor(const at::Tensor&);
+using LinearSiluMul = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 using PagedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const at::Tensor&, double, double, int64_t, double,
                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
@@ -861,6 +947,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
   static const auto linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("kvserve_bf16::bf16_linear", "").typed<Linear>();
   static const auto silu = c10::Dispatcher::singleton().findSchemaOrThrow("kvserve_bf16::silu_mul", "").typed<SiluMul>();
+  static const auto linear_silu = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("kvserve_bf16::bf16_linear_silu_mul", "").typed<LinearSiluMul>();
   static const auto attention = c10::Dispatcher::singleton()
       .findSchemaOrThrow("kvserve_cpu::paged_attention", "").typed<PagedAttention>();
   static const auto write_kv = c10::Dispatcher::singleton()
@@ -920,8 +1008,11 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
     const at::Tensor projected = linear.call(attended.view({rows, q_size}), o_weights[l], c10::nullopt, hidden);
     rms_norm_rows(x_data, projected.data_ptr<BF16>(), post_norms[l].data_ptr<BF16>(), normed.data_ptr<BF16>(), rows,
                   hidden, static_cast<float>(eps));
-    const at::Tensor gate_up = linear.call(normed, gate_up_weights[l], c10::nullopt, 2 * intermediate_size);
-    const at::Tensor mlp = linear.call(silu.call(gate_up), down_weights[l], c10::nullopt, hidden);
+    const at::Tensor activated =
+        intermediate_size % kTile == 0
+            ? linear_silu.call(normed, gate_up_weights[l], intermediate_size)
+            : silu.call(linear.call(normed, gate_up_weights[l], c10::nullopt, 2 * intermediate_size));
+    const at::Tensor mlp = linear.call(activated, down_weights[l], c10::nullopt, hidden);
     residual_rows(x_data, projected.data_ptr<BF16>(), mlp.data_ptr<BF16>(), rows * hidden);
   }
   return x;
@@ -934,6 +1025,7 @@ TORCH_LIBRARY(kvserve_bf16, m) {
   m.def("bf16_row_argmax(Tensor logits) -> Tensor");
   m.def("bf16_linear_argmax(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("bf16_linear_silu_mul(Tensor x, Tensor packed_weight, int intermediate) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv_weights, "
         "Tensor[] o_weights, Tensor[] post_norms, Tensor[] gate_up_weights, Tensor[] down_weights, "
         "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, "
@@ -946,6 +1038,7 @@ TORCH_LIBRARY_IMPL(kvserve_bf16, CPU, m) {
   m.impl("bf16_row_argmax", &bf16_row_argmax);
   m.impl("bf16_linear_argmax", &bf16_linear_argmax);
   m.impl("silu_mul", &silu_mul);
+  m.impl("bf16_linear_silu_mul", &bf16_linear_silu_mul);
   m.impl("decoder_layers", &decoder_layers);
 }
 
@@ -954,4 +1047,5 @@ TORCH_LIBRARY_IMPL(kvserve_bf16, Meta, m) {
   m.impl("bf16_row_argmax", &bf16_row_argmax_meta);
   m.impl("bf16_linear_argmax", &bf16_linear_argmax_meta);
   m.impl("silu_mul", &silu_mul_meta);
+  m.impl("bf16_linear_silu_mul", &bf16_linear_silu_mul_meta);
 }

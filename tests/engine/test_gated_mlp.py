@@ -1,6 +1,7 @@
 """The gated MLP on kvserve's SiLU kernel: prepack routes every SiLU MLP of a CPU model to it (not
 a GELU one); the routed forward computes what the compiled forward computes, bit for bit, for bf16
-CPU activations, and keeps torch's path for float32 ones."""
+CPU activations, and keeps torch's path for float32 ones; once packed, gate_up's matmul and the SiLU
+are one kernel call, with the same bits."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.model.gated_mlp import GatedMLP
+from kvserve.engine.model import packed_linear as packed_linear_module
 from kvserve.engine.model.gemma3 import gelu_tanh
 from kvserve.engine.model.llama import LlamaForCausalLM
+from kvserve.engine.model.packed_linear import pack_linear_weights
 from kvserve.engine.worker.model_preparation import prepack
 from kvserve.kernels import cpu_bf16_gemm
 from kvserve.kernels.cpu_bf16_gemm import bf16_gemm_available
@@ -68,6 +71,25 @@ def test_the_routed_mlp_calls_the_kernel_for_bf16_only(monkeypatch: pytest.Monke
         assert torch.equal(wide, mlp.down_proj(F.silu(gate) * up))
         mlp.to(torch.bfloat16)(x.to(torch.bfloat16))
     assert calls == [torch.bfloat16]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_a_packed_mlp_multiplies_gate_up_and_silu_in_one_call_with_the_same_bits(
+        rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once prepacked, gate_up's matmul and silu(gate) * up are one kernel call (PackedLinear.silu_mul)
+    where the kernel serves the rows, and the MLP still computes what the compiled forward computes."""
+    mlp = _mlp().to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    calls: list[int] = []
+    kernel = packed_linear_module.bf16_linear_silu_mul
+    monkeypatch.setattr(packed_linear_module, "bf16_linear_silu_mul",
+                        lambda x, packed, intermediate: calls.append(intermediate) or kernel(x, packed, intermediate))
+    with torch.no_grad():
+        expected = _unrouted_compiled(mlp)(x)
+        assert pack_linear_weights(mlp, few_rows_kernel=True) == 2 and mlp.use_cpu_silu_kernel()
+        assert torch.equal(mlp(x), expected)
+    assert calls == ([96] if mlp.gate_up_proj._kernel_serves(x) else [])
 
 
 def test_a_gelu_mlp_is_not_routed() -> None:

@@ -21,7 +21,7 @@ from kvserve.engine.model.packed_linear import (FEW_ROWS_MAX, NARROW_IN_FEATURES
                                                 few_rows_limit, few_rows_weight_bytes, pack_linear_weights,
                                                 packable_weight_bytes, packed_linear, weight_packing_supported)
 from kvserve.kernels.cpu_bf16_gemm import (bf16_gemm_available, bf16_linear, bf16_matrix_tiles,
-                                           native_bf16_arithmetic)
+                                           native_bf16_arithmetic, silu_mul)
 from kvserve.engine.kv_memory import CPU_RUNTIME_OVERHEAD_BYTES
 from kvserve.engine.worker.model_preparation import prepack
 from tests.engine.test_kv_memory import host
@@ -79,6 +79,32 @@ def test_the_few_row_kernel_agrees_with_onednn_to_bf16s_last_bit(rows, native_bf
     torch.testing.assert_close(out, expected, rtol=2**-7, atol=2**-7)
     if x.numel() > layer.few_rows_max * 64 and native_bf16:
         assert torch.equal(out, expected)  # oneDNN's path itself
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [(1,), (5,), (2, 3), (64,), (300,), (VECTOR_ROWS_MAX + 1,)])
+def test_silu_mul_of_a_gate_up_layer_is_silu_mul_of_its_output_where_the_kernel_serves(rows, native_bf16: bool) -> None:
+    """A gate_up layer (96 = [48 gate | 48 up] channels) returns silu(gate) * up in one kernel call,
+    the bits of silu_mul(layer(x)), where its kernel serves the rows; None where oneDNN does."""
+    layer = PackedLinear.from_linear(_linear(bias=False), few_rows_kernel=True)
+    x = torch.randn(*rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = layer.silu_mul(x)
+        if layer.packed_weight is not None and x.numel() > layer.few_rows_max * 64:
+            assert out is None
+            return
+        assert out is not None and torch.equal(out, silu_mul(layer(x)))
+        assert layer.silu_mul(x.float()) is None  # only bf16 rows
+
+
+@needs_kernel
+def test_silu_mul_of_a_layer_it_cannot_pair_is_none() -> None:
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert PackedLinear.from_linear(_linear(bias=True), few_rows_kernel=True).silu_mul(x) is None  # a bias
+        odd = nn.Linear(64, 80, bias=False).to(torch.bfloat16)  # halves of 40: not whole tiles of 16
+        assert PackedLinear.from_linear(odd, few_rows_kernel=True).silu_mul(x) is None
+        assert PackedLinear.from_linear(_linear(bias=False), few_rows_kernel=False).silu_mul(x) is None  # oneDNN alone
 
 
 def test_layers_keep_the_kernel_to_more_rows_when_narrow_with_tiles_or_on_the_vector_route() -> None:

@@ -6,7 +6,7 @@ rounding) does the same where this CPU has BF16 too; it stays one node under tor
 instructions or the build fails, one log line and False, never an exception. The row argmax follows
 argmax's rules, and the linear's argmax without its output is that of its output (ties, NaN, +-inf,
 bf16 rounding, partial tiles, channels over threads); silu_mul is the compiled forward's silu(gate) * up
-bit for bit."""
+bit for bit, and the linear with silu_mul in its passes is silu_mul of the linear's output, bit for bit."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import cpu_kernel_build
 from kvserve.kernels.cpu_bf16_gemm import (SOURCE, bf16_gemm_available, bf16_linear, bf16_linear_argmax, bf16_row_argmax,
-                                           load_bf16_gemm, pack_bf16, silu_mul, unpack_bf16)
+                                           bf16_linear_silu_mul, load_bf16_gemm, pack_bf16, silu_mul, unpack_bf16)
 
 REPO = Path(__file__).resolve().parents[2]
 needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 or no C++ compiler here")
@@ -32,6 +32,9 @@ needs_kernel = pytest.mark.skipif(not bf16_gemm_available(), reason="no AVX-512 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (17, 9), (40, 33), (1, 2),
           (17, 64), (48, 64)]
 ROWS = [*range(1, 10), 16, 17, 31, 32, 33, 64, 100, 128, 257, 300]
+# Gated MLPs' (K, intermediate): SmolLM2-135M's, one gate tile, an odd K, five gate tiles (the threads'
+# and passes' groups end on a partial one).
+GATED_SHAPES = [(576, 1536), (64, 16), (33, 48), (64, 80)]
 
 
 def _case(n: int, k: int, rows: int, bias: bool, seed: int = 0):
@@ -130,11 +133,19 @@ torch.ops.load_library(sys.argv[1])
 from kvserve.kernels import cpu_bf16_gemm
 from kvserve.kernels.cpu_bf16_gemm import pack_bf16
 cpu_bf16_gemm.bf16_gemm_available = lambda: True  # the build above serves: the test module must not load another
-from tests.kernels.test_cpu_bf16_gemm import ROWS, _case, _check
+from tests.kernels.test_cpu_bf16_gemm import GATED_SHAPES, ROWS, _case, _check
 for n, k in [(960, 576), (17, 9), (40, 33), (48, 64)]:
     for rows in ROWS:
         weight, x, b = _case(n, k, rows, bias=rows % 2 == 0, seed=rows)
         _check(torch.ops.kvserve_bf16.bf16_linear(x, pack_bf16(weight), b, n), x, weight, b)
+for k, intermediate in GATED_SHAPES:  # the gated passes of this route: silu_mul of its own linear, bit for bit
+    weight, _, _ = _case(2 * intermediate, k, 1, bias=False)
+    packed = pack_bf16(weight)
+    for rows in ROWS:
+        _, x, _ = _case(2 * intermediate, k, rows, bias=False, seed=rows)
+        gate_up = torch.ops.kvserve_bf16.bf16_linear(x, packed, None, 2 * intermediate)
+        fused = torch.ops.kvserve_bf16.bf16_linear_silu_mul(x, packed, intermediate)
+        assert torch.equal(fused.view(torch.int16), torch.ops.kvserve_bf16.silu_mul(gate_up).view(torch.int16)), (k, rows)
 # NaN stays NaN through the rounding without BF16's instruction; halfway cases round to even.
 weight = torch.ones(16, 2, dtype=torch.bfloat16)
 x = torch.tensor([[float("nan"), 0.0], [1.0, 2.0**-8], [1.0 + 2.0**-7, 2.0**-8]]).to(torch.bfloat16)
@@ -304,3 +315,41 @@ def test_silu_mul_refuses_what_it_cannot_read() -> None:
         silu_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="even"):
         silu_mul(torch.tensor(1.0, dtype=torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("k", "intermediate"), GATED_SHAPES)
+def test_linear_silu_mul_is_silu_mul_of_the_linears_output_bit_for_bit(k: int, intermediate: int) -> None:
+    weight, _, _ = _case(2 * intermediate, k, 1, bias=False)
+    packed = pack_bf16(weight)
+    for rows in ROWS:
+        _, x, _ = _case(2 * intermediate, k, rows, bias=False, seed=rows)
+        x = x * 4  # gates well into SiLU's curve on both sides, not only near 0
+        expected = silu_mul(bf16_linear(x, packed, None, 2 * intermediate))
+        out = bf16_linear_silu_mul(x, packed, intermediate)
+        assert out.shape == (rows, intermediate) and out.dtype == torch.bfloat16
+        assert _same_bits(out, expected), rows
+
+
+@needs_kernel
+def test_linear_silu_mul_takes_leading_dimensions_zero_rows_and_graphs() -> None:
+    weight, x, _ = _case(96, 64, 6, bias=False)
+    packed = pack_bf16(weight)
+    expected = silu_mul(bf16_linear(x, packed, None, 96))
+    assert _same_bits(bf16_linear_silu_mul(x.view(2, 3, 64), packed, 48), expected.view(2, 3, 48))
+    assert bf16_linear_silu_mul(x[:0], packed, 48).shape == (0, 48)
+    compiled = torch.compile(bf16_linear_silu_mul, dynamic=True, fullgraph=True)
+    for rows in (1, 5, 6):
+        assert _same_bits(compiled(x[:rows], packed, 48), expected[:rows])
+
+
+@needs_kernel
+def test_linear_silu_mul_refuses_what_it_cannot_pair() -> None:
+    weight, x, _ = _case(96, 64, 2, bias=False)
+    packed = pack_bf16(weight)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        bf16_linear_silu_mul(x, pack_bf16(torch.zeros(40, 64, dtype=torch.bfloat16)), 20)
+    with pytest.raises(ValueError, match="tiles"):
+        bf16_linear_silu_mul(x, packed, 32)  # 6 tiles hold 2 x 48 channels, not 2 x 32
+    with pytest.raises(ValueError, match="K = 63"):
+        bf16_linear_silu_mul(x[:, :63], pack_bf16(torch.zeros(96, 66, dtype=torch.bfloat16)), 48)
