@@ -13,6 +13,7 @@ KVSERVE_LINEAR_OPS = frozenset({"kvserve_linear::packed_linear", "mkldnn::_linea
                                 "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
                                 "aten::_weight_int4pack_mm_for_cpu", "kvserve_bf16::bf16_linear",
                                 "kvserve_bf16::bf16_linear_argmax",  # the greedy lm_head: a linear layer too
+                                "kvserve_bf16::bf16_linear_silu_mul",  # gate_up with SiLU x up in its passes
                                 "kvserve_quant::int4_gemm", "kvserve_quant::int8_gemm"})
 
 
