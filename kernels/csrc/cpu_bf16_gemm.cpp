@@ -114,17 +114,28 @@ inline __m256i to_bf16(__m512 v) {
 #endif
 }
 
+// 16 bf16 values (their bits) as fp32: bf16 is the top half of an fp32.
+inline __m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
 // Up to 16 values (the lanes in `mask`; the others 0) as fp32: a bias, a row of logits, activations.
-inline __m512 load_fp32(const BF16* src, __mmask16 mask = 0xFFFF) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, src);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load_fp32(const BF16* src, __mmask16 mask = 0xFFFF) { return widen_bf16(_mm256_maskz_loadu_epi16(mask, src)); }
 
 inline __m512 load_fp32(const float* src, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, src); }
 
 inline void store_row(BF16* out, __mmask16 mask, __m512 v) { _mm256_mask_storeu_epi16(out, mask, to_bf16(v)); }
 
 const float* silu_table();  // bf16 gate -> its fp32 silu (silu_mul below)
+
+// silu(gate) * up for 16 bf16 gates (their bits) and their ups in fp32, rounded to bf16 as torch
+// rounds: silu_mul's step, and a gated pass's (so both give the same bits). Lanes outside `mask` 0.
+inline __m256i silu_times_up(const float* table, __mmask16 mask, __m256i gate, __m512 up) {
+  const __m512 silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, _mm512_cvtepu16_epi32(gate), table, 4);
+  return to_bf16_keeping_subnormals(_mm512_mul_ps(silu, up));
+}
+
+// Where a gated pass's tile t of `width` lies from its first: the first half are gate tiles side by
+// side, the second half their up tiles, up_tiles further on.
+inline int64_t gated_tile(int t, int width, int64_t up_tiles) { return t < width / 2 ? t : t - width / 2 + up_tiles; }
 
 // Where more than one row block shares a pass group's tiles, the first block streams them from memory
 // while the vector units wait; so each block also asks for a share of the tiles the thread's next
@@ -160,8 +171,7 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t
     UNROLL for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   const char* wt[T];
   UNROLL for (int t = 0; t < T; ++t) {
-    const int64_t tile = kGated && t >= kHalf ? t - kHalf + up_tiles : t;
-    wt[t] = reinterpret_cast<const char*>(w + tile * tile_elems);
+    wt[t] = reinterpret_cast<const char*>(w + (kGated ? gated_tile(t, T, up_tiles) : t) * tile_elems);
   }
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
@@ -174,7 +184,7 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t
     // A counter in place of the modulo measured no faster (one more register live across the loop).
     if (next.w != nullptr && p % next.blocks == next.block) {
       for (int t = 0; t < next.width; ++t) {
-        const int64_t tile = kGated && t >= next.width / 2 ? t - next.width / 2 + up_tiles : t;
+        const int64_t tile = kGated ? gated_tile(t, next.width, up_tiles) : t;
         _mm_prefetch(reinterpret_cast<const char*>(next.w + tile * tile_elems) + p * 64, _MM_HINT_T1);
       }
     }
@@ -206,11 +216,9 @@ void pass(const BF16* w, int64_t tile_elems, int64_t pairs, const In* x, int64_t
     UNROLL for (int t = 0; t < kHalf; ++t) {
       const int64_t c0 = n0 + t * kTile;
       const __mmask16 mask = channel_mask(c0, n);
-      UNROLL for (int r = 0; r < R; ++r) {  // the bf16 gate and up the plain pass would store, then silu_mul's steps
-        const __m512i index = _mm512_cvtepu16_epi32(to_bf16(acc[r][t]));
-        const __m512 silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, table, 4);
-        const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(acc[r][t + kHalf])), 16));
-        _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, to_bf16_keeping_subnormals(_mm512_mul_ps(silu, up)));
+      UNROLL for (int r = 0; r < R; ++r) {  // from the bf16 gate and up the plain pass would store
+        const __m256i product = silu_times_up(table, mask, to_bf16(acc[r][t]), widen_bf16(to_bf16(acc[r][t + kHalf])));
+        _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, product);
       }
     }
   } else {
@@ -672,7 +680,7 @@ struct ArgmaxLanes {
     for (int r = 0; r < rows; ++r) {
       const int64_t row = row0 + r;
       const __m256i rounded = to_bf16(_mm512_loadu_ps(sums + r * kTile));  // as store_row rounds
-      const __m512 logit = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+      const __m512 logit = widen_bf16(rounded);
       float* best_row = best.data() + row * kTile;
       const __m512 current = _mm512_loadu_ps(best_row);
       // Most tiles hold no lane's new maximum: one compare (>= or NaN) rules them out.
@@ -777,10 +785,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const BF16* up = reinterpret_cast<const BF16*>(gate + width);
       for (int64_t i = 0; i < width; i += kTile) {
         const __mmask16 mask = channel_mask(i, width);
-        const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, gate + i));
-        const __m512 silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, table, 4);
-        const __m512 product = _mm512_mul_ps(silu, load_fp32(up + i, mask));
-        _mm256_mask_storeu_epi16(result + r * width + i, mask, to_bf16_keeping_subnormals(product));
+        const __m256i product = silu_times_up(table, mask, _mm256_maskz_loadu_epi16(mask, gate + i), load_fp32(up + i, mask));
+        _mm256_mask_storeu_epi16(result + r * width + i, mask, product);
       }
     }
   });
